@@ -1,0 +1,162 @@
+"""Queue checkpoints: queued groups as one Arrow IPC file, the rest in a JSON manifest.
+
+```
+ DIR/manifest.json        version, counters, prompt cursor, prompts to regenerate, groups, sha256 of each file
+ DIR/queued.arrow         the queued groups' rows, in consumption order
+ DIR/ticket_states.bin    one byte per ticket ever issued (so old tickets stay "expired" after restore)
+```
+The directory is written under a temporary name and renamed into place, so a reader sees either a
+complete checkpoint or none. Checksums catch truncated or altered files on restore.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from streamrl.buffer.config import QueueConfig
+from streamrl.buffer.queue import QueuedGroup, ReplayQueue, assemble
+from streamrl.buffer.schema import TRAJECTORY_SCHEMA
+from streamrl.buffer.validate import BatchError, validate_batch
+
+FORMAT = "streamrl.queue"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+QUEUED_FILE = "queued.arrow"
+STATES_FILE = "ticket_states.bin"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: missing, truncated, altered or incompatible."""
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def atomic_directory(target: Path, write: Callable[[Path], None]) -> Path:
+    """Run `write(tmp_dir)` then rename tmp_dir to `target`, which must not exist yet."""
+    target = Path(target)
+    if target.exists():
+        raise FileExistsError(f"checkpoint directory {target} already exists")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def save_queue(queue: ReplayQueue, directory: str | Path,
+               fetch: Callable[[list[Any]], list[pa.RecordBatch]] | None = None) -> Path:
+    """Checkpoint `queue` into a new directory. `fetch` turns payloads into batches (Ray: ray.get)."""
+    snap = queue.snapshot()
+    groups: list[QueuedGroup] = snap.pop("groups")
+    states: bytes = snap.pop("ticket_states")
+    batches = fetch([g.payload for g in groups]) if fetch and groups else None
+    table = assemble(groups, batches) if groups else TRAJECTORY_SCHEMA.empty_table()
+
+    def write(tmp: Path) -> None:
+        with pa.OSFile(str(tmp / QUEUED_FILE), "wb") as sink, pa.ipc.new_file(sink, TRAJECTORY_SCHEMA) as writer:
+            writer.write_table(table)
+        _fsync_write(tmp / STATES_FILE, states)
+        records, row = [], 0
+        for g in groups:
+            record = {f.name: getattr(g, f.name) for f in fields(g) if f.name != "payload"}
+            records.append({**record, "row_start": row})
+            row += g.row_count
+        manifest = {
+            "format": FORMAT, "format_version": FORMAT_VERSION,
+            "config": queue.config.model_dump(), **snap, "groups": records,
+            "files": {name: sha256_file(tmp / name) for name in (QUEUED_FILE, STATES_FILE)},
+        }
+        _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+
+    return atomic_directory(Path(directory), write)
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (not a queue checkpoint, or an interrupted write)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a {FORMAT} manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}")
+    for name, expected in manifest.get("files", {}).items():
+        file = directory / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing")
+        if sha256_file(file) != expected:
+            raise CheckpointError(f"{file}: checksum mismatch (truncated or altered)")
+    if set(manifest.get("files", {})) != {QUEUED_FILE, STATES_FILE}:
+        raise CheckpointError(f"{path}: expected checksums for {QUEUED_FILE} and {STATES_FILE}")
+    return manifest
+
+
+def load_queue(directory: str | Path, config: QueueConfig | None = None,
+               wrap: Callable[[pa.RecordBatch], Any] | None = None) -> ReplayQueue:
+    """Restore a queue saved by `save_queue`. `config` may change admission settings but not the
+    group size; `wrap` turns the restored batch into the payload kept per group (Ray: ray.put)."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    try:
+        saved_config = QueueConfig(**manifest["config"])
+        config = config or saved_config
+        if config.group_size != saved_config.group_size:
+            raise CheckpointError(
+                f"group_size {config.group_size} differs from the checkpoint's {saved_config.group_size}")
+        with pa.OSFile(str(directory / QUEUED_FILE), "rb") as source:
+            table = pa.ipc.open_file(source).read_all()
+        groups = _restore_groups(manifest, table, config, wrap)
+        snap = {key: manifest[key] for key in ("version", "paused", "counters", "prompt_cursor", "returned_prompts")}
+        snap["ticket_states"] = (directory / STATES_FILE).read_bytes()
+        snap["groups"] = groups
+        return ReplayQueue.from_snapshot(config, snap)
+    except (KeyError, TypeError, ValueError, pa.ArrowException) as exc:
+        raise CheckpointError(f"{directory}: unusable checkpoint ({type(exc).__name__}: {exc})") from exc
+
+
+def _restore_groups(manifest: dict[str, Any], table: pa.Table, config: QueueConfig,
+                    wrap: Callable[[pa.RecordBatch], Any] | None) -> list[QueuedGroup]:
+    records = manifest["groups"]
+    if not records:
+        return []
+    try:
+        batch, spans = validate_batch(table, group_size=config.group_size,
+                                      trainer_version=manifest["version"], vocab_size=config.vocab_size)
+    except BatchError as exc:
+        raise CheckpointError(f"queued rows fail validation: {exc}") from exc
+    if [(s.group_id, s.row_start, s.row_count, s.min_version) for s in spans] != [
+            (r["group_id"], r["row_start"], r["row_count"], r["min_version"]) for r in records]:
+        raise CheckpointError("queued rows do not match the manifest's groups")
+    payload = wrap(batch) if wrap else batch
+    return [QueuedGroup(**{**r, "payload": payload}) for r in records]

@@ -1,0 +1,208 @@
+"""Validation of trajectory batches before the queue accepts them.
+
+Every check is vectorised over the flat Arrow buffers: a batch of millions of tokens is validated at
+memory speed. The first problem found is raised as one `BatchError` naming the column, the row (the
+batch's row index, or None when the problem is not tied to a row) and what is wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from streamrl.buffer.schema import (
+    FINISH_REASONS,
+    SCHEMA_VERSION,
+    SCHEMA_VERSION_KEY,
+    TRAJECTORY_SCHEMA,
+    list_offsets,
+    list_values,
+)
+
+
+class BatchError(ValueError):
+    """A trajectory batch the queue refuses. Nothing in the queue changed."""
+
+    def __init__(self, column: str | None, row: int | None, problem: str):
+        self.column, self.row, self.problem = column, row, problem
+        where = [f"column {column!r}" if column else None, f"row {row}" if row is not None else None]
+        prefix = ", ".join(part for part in where if part)
+        super().__init__(f"{prefix}: {problem}" if prefix else problem)
+
+
+@dataclass(frozen=True)
+class GroupSpan:
+    """One group's rows inside a validated batch."""
+
+    group_id: int
+    prompt_id: int
+    row_start: int
+    row_count: int
+    min_version: int
+    num_tokens: int  # prompt + response tokens over the group's samples
+    producer_id: int
+
+
+def as_record_batch(batch: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
+    if isinstance(batch, pa.RecordBatch):
+        return batch
+    if isinstance(batch, pa.Table):
+        if batch.num_rows == 0:
+            return pa.RecordBatch.from_pylist([], batch.schema)
+        return batch.combine_chunks().to_batches()[0]
+    raise BatchError(None, None, f"expected an Arrow RecordBatch or Table, got {type(batch).__name__}")
+
+
+def _check_schema(batch: pa.RecordBatch) -> None:
+    expected = {field.name: field for field in TRAJECTORY_SCHEMA}
+    for field in batch.schema:
+        if field.name not in expected:
+            raise BatchError(field.name, None, "unexpected column")
+        if not field.type.equals(expected[field.name].type):
+            raise BatchError(field.name, None, f"type {field.type}, expected {expected[field.name].type}")
+    for name in expected:
+        if batch.schema.get_field_index(name) < 0:
+            raise BatchError(name, None, "missing column")
+    if batch.schema.names != TRAJECTORY_SCHEMA.names:
+        raise BatchError(None, None, f"columns out of order: {batch.schema.names}")
+    version = (batch.schema.metadata or {}).get(SCHEMA_VERSION_KEY)
+    if version != str(SCHEMA_VERSION).encode():
+        raise BatchError(None, None, f"schema version {version!r}, expected {SCHEMA_VERSION}")
+
+
+def _first_row_where(bad: np.ndarray) -> int:
+    return int(np.flatnonzero(bad)[0])
+
+
+def _row_of_flat_index(offsets: np.ndarray, index: int) -> int:
+    return int(np.searchsorted(offsets, index, side="right") - 1)
+
+
+def _check_no_nulls(batch: pa.RecordBatch) -> None:
+    for name, column in zip(batch.schema.names, batch.columns):
+        if column.null_count:
+            row = _first_row_where(np.asarray(column.is_null()))
+            raise BatchError(name, row, "null value")
+        if pa.types.is_list(column.type) and column.values.null_count:
+            offsets = list_offsets(column)
+            flat = np.asarray(column.flatten().is_null())
+            raise BatchError(name, _row_of_flat_index(offsets, _first_row_where(flat)), "null element")
+
+
+def _check_token_range(name: str, column: pa.ListArray, vocab_size: int | None) -> None:
+    values = list_values(column)
+    if not len(values):
+        return
+    low = values < 0
+    high = values >= vocab_size if vocab_size is not None else np.zeros_like(low)
+    if low.any() or high.any():
+        flat = _first_row_where(low | high)
+        row = _row_of_flat_index(list_offsets(column), flat)
+        allowed = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        raise BatchError(name, row, f"token id {int(values[flat])} outside {allowed}")
+
+
+def validate_batch(
+    batch: pa.RecordBatch | pa.Table,
+    *,
+    group_size: int,
+    trainer_version: int,
+    vocab_size: int | None = None,
+) -> tuple[pa.RecordBatch, list[GroupSpan]]:
+    """Check one batch on its own (no queue state) and split it into groups.
+
+    A group's rows must be contiguous and hold sample indices 0..group_size-1 exactly once, all with
+    the same prompt id. Returns the batch as a RecordBatch and its groups in row order.
+    """
+    batch = as_record_batch(batch)
+    _check_schema(batch)
+    if batch.num_rows == 0:
+        raise BatchError(None, None, "empty batch")
+    _check_no_nulls(batch)
+
+    prompt_lengths = np.diff(list_offsets(batch.column("prompt_ids")))
+    response_offsets = list_offsets(batch.column("response_ids"))
+    response_lengths = np.diff(response_offsets)
+    if (prompt_lengths == 0).any():
+        raise BatchError("prompt_ids", _first_row_where(prompt_lengths == 0), "empty prompt")
+    if (response_lengths == 0).any():
+        raise BatchError("response_ids", _first_row_where(response_lengths == 0), "empty response")
+    for name in ("behavior_logprobs", "versions"):
+        lengths = np.diff(list_offsets(batch.column(name)))
+        if (lengths != response_lengths).any():
+            row = _first_row_where(lengths != response_lengths)
+            raise BatchError(name, row,
+                             f"length {lengths[row]} differs from response_ids length {response_lengths[row]}")
+
+    _check_token_range("prompt_ids", batch.column("prompt_ids"), vocab_size)
+    _check_token_range("response_ids", batch.column("response_ids"), vocab_size)
+
+    logprobs = list_values(batch.column("behavior_logprobs"))
+    bad = ~np.isfinite(logprobs) | (logprobs > 1e-3)
+    if bad.any():
+        flat = _first_row_where(bad)
+        raise BatchError("behavior_logprobs", _row_of_flat_index(response_offsets, flat),
+                         f"log-probability {logprobs[flat]} is not finite and <= 0")
+
+    versions = list_values(batch.column("versions"))
+    bad = (versions < 0) | (versions > trainer_version)
+    if bad.any():
+        flat = _first_row_where(bad)
+        raise BatchError("versions", _row_of_flat_index(response_offsets, flat),
+                         f"version {int(versions[flat])} outside [0, trainer version {trainer_version}]")
+
+    rewards = batch.column("reward").to_numpy()
+    if not np.isfinite(rewards).all():
+        raise BatchError("reward", _first_row_where(~np.isfinite(rewards)), "reward is not finite")
+    finish = batch.column("finish_reason")
+    known = np.asarray(pc.is_in(finish, value_set=pa.array(FINISH_REASONS)))
+    if not known.all():
+        row = _first_row_where(~known)
+        raise BatchError("finish_reason", row, f"{finish[row].as_py()!r} is not one of {FINISH_REASONS}")
+
+    row_min_version = np.minimum.reduceat(versions, response_offsets[:-1])
+    row_tokens = prompt_lengths + response_lengths
+    return batch, _split_groups(batch, group_size, row_min_version, row_tokens)
+
+
+def _split_groups(batch: pa.RecordBatch, group_size: int, row_min_version: np.ndarray,
+                  row_tokens: np.ndarray) -> list[GroupSpan]:
+    group_ids = batch.column("group_id").to_numpy()
+    prompt_ids = batch.column("prompt_id").to_numpy()
+    sample_index = batch.column("sample_index").to_numpy()
+    producer_ids = batch.column("producer_id").to_numpy()
+    starts = np.flatnonzero(np.r_[True, group_ids[1:] != group_ids[:-1]])
+    counts = np.diff(np.r_[starts, len(group_ids)])
+    if len(np.unique(group_ids[starts])) != len(starts):
+        seen: set[int] = set()
+        for start in starts:
+            if int(group_ids[start]) in seen:
+                raise BatchError("group_id", int(start), f"rows of group {group_ids[start]} are not contiguous")
+            seen.add(int(group_ids[start]))
+    spans = []
+    for start, count in zip(starts.tolist(), counts.tolist()):
+        group = int(group_ids[start])
+        if count != group_size:
+            raise BatchError("group_id", start, f"group {group} has {count} samples, expected {group_size}")
+        indices = sample_index[start:start + count]
+        if not np.array_equal(np.sort(indices), np.arange(group_size)):
+            raise BatchError("sample_index", start,
+                             f"group {group} has sample indices {sorted(indices.tolist())}, "
+                             f"expected 0..{group_size - 1} once each")
+        prompts = prompt_ids[start:start + count]
+        if (prompts != prompts[0]).any():
+            raise BatchError("prompt_id", start + _first_row_where(prompts != prompts[0]),
+                             f"group {group} mixes prompt ids")
+        producers = producer_ids[start:start + count]
+        if (producers != producers[0]).any():
+            raise BatchError("producer_id", start + _first_row_where(producers != producers[0]),
+                             f"group {group} mixes producer ids")
+        spans.append(GroupSpan(
+            group_id=group, prompt_id=int(prompts[0]), row_start=start, row_count=count,
+            min_version=int(row_min_version[start:start + count].min()),
+            num_tokens=int(row_tokens[start:start + count].sum()), producer_id=int(producers[0]),
+        ))
+    return spans
