@@ -17,7 +17,6 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +85,7 @@ def save_queue(queue: ReplayQueue, directory: str | Path,
         _fsync_write(tmp / STATES_FILE, states)
         records, row = [], 0
         for g in groups:
-            record = {f.name: getattr(g, f.name) for f in fields(g) if f.name != "payload"}
+            record = {k: v for k, v in g._asdict().items() if k != "payload"}
             records.append({**record, "row_start": row})
             row += g.row_count
         manifest = {

@@ -25,8 +25,8 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 
@@ -43,8 +43,7 @@ class QueueClosed(RuntimeError):
     """The queue was closed: no more admissions or consumption."""
 
 
-@dataclass(frozen=True)
-class Ticket:
+class Ticket(NamedTuple):
     """The right to generate one group for one prompt. Its id becomes the group's `group_id`."""
 
     ticket_id: int
@@ -54,14 +53,12 @@ class Ticket:
     admitted_at: float
 
 
-@dataclass(frozen=True)
-class Admission:
+class Admission(NamedTuple):
     tickets: list[Ticket]
     blocked_by: str | None  # why no more were admitted: paused, stale_weights, in_flight, capacity, staleness
 
 
-@dataclass
-class QueuedGroup:
+class QueuedGroup(NamedTuple):
     """A committed group: where its rows are and what the scheduler needs to know about them."""
 
     group_id: int
@@ -73,7 +70,7 @@ class QueuedGroup:
     row_count: int
     payload: Any  # the RecordBatch in process; an object reference in the Ray actor
     seq: int  # commit order, to break ties between equal versions
-    committed_at: float = field(default_factory=time.time)
+    committed_at: float
 
     def sort_key(self) -> tuple[int, int]:
         return (self.min_version, self.seq)
@@ -91,7 +88,9 @@ class TrainGroups:
 class ReplayQueue:
     def __init__(self, config: QueueConfig):
         self.config = config
-        self._cond = threading.Condition(threading.RLock())
+        # `with self._lock` directly: Condition.__enter__ is a Python-level wrapper around the same lock.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._version = 0
         self._paused = False
         self._closed = False
@@ -117,20 +116,22 @@ class ReplayQueue:
         """
         if max_groups < 1:
             raise ValueError(f"max_groups must be >= 1, got {max_groups}")
-        deadline = time.monotonic() + max(0.0, timeout)
-        with self._cond:
+        deadline = None
+        with self._lock:
             while True:
                 self._expire_tickets()
                 if self._closed:
                     raise QueueClosed("queue closed")
                 allowed, reason = self._slots_available(weights_version)
                 if allowed:
-                    tickets = [self._issue(producer_id) for _ in range(min(allowed, max_groups))]
+                    tickets = self._issue(producer_id, min(allowed, max_groups))
                     if len(tickets) < max_groups:
                         _, reason = self._slots_available(weights_version)
                     self._blocked_by = reason
                     return Admission(tickets, reason)
                 self._blocked_by = reason
+                if deadline is None:  # the clock is read only when there is something to wait for
+                    deadline = time.monotonic() + timeout
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return Admission([], reason)
@@ -146,26 +147,28 @@ class ReplayQueue:
             return 0, "stale_weights"
         if self._queued_tokens >= cfg.capacity_tokens:
             return 0, "capacity"
-        limits = {
-            "in_flight": cfg.max_in_flight - len(self._running),
-            "staleness": admission_budget(
-                trainer_version=self._version, max_staleness=cfg.max_staleness,
-                groups_per_step=cfg.groups_per_step, admitted_live=self.admitted_live),
-        }
-        reason = min(limits, key=limits.get)
-        return max(0, limits[reason]), reason if limits[reason] <= 0 else None
+        running = len(self._running)
+        in_flight = cfg.max_in_flight - running
+        budget = admission_budget(trainer_version=self._version, max_staleness=cfg.max_staleness,
+                                  groups_per_step=cfg.groups_per_step,
+                                  admitted_live=running + len(self._queued) + self.counters["consumed"])
+        if budget <= 0 or in_flight <= 0:
+            return 0, "staleness" if budget <= 0 else "in_flight"
+        return min(budget, in_flight), None
 
-    def _issue(self, producer_id: int) -> Ticket:
-        prompt_id = self._returned.popleft() if self._returned else self._take_fresh_prompt()
-        ticket = Ticket(len(self._states), prompt_id, producer_id, self._version, time.time())
-        self._states.append(RUNNING)
-        self._running[ticket.ticket_id] = ticket
-        self.counters["admitted"] += 1
-        return ticket
-
-    def _take_fresh_prompt(self) -> int:
-        self._next_prompt += 1
-        return self._next_prompt - 1
+    def _issue(self, producer_id: int, count: int) -> list[Ticket]:
+        now, version, tickets = time.time(), self._version, []
+        for _ in range(count):
+            if self._returned:  # prompts given back are generated again before fresh ones
+                prompt_id = self._returned.popleft()
+            else:
+                prompt_id, self._next_prompt = self._next_prompt, self._next_prompt + 1
+            ticket = Ticket(len(self._states), prompt_id, producer_id, version, now)
+            self._states.append(RUNNING)
+            self._running[ticket.ticket_id] = ticket
+            tickets.append(ticket)
+        self.counters["admitted"] += count
+        return tickets
 
     @property
     def admitted_live(self) -> int:
@@ -173,7 +176,7 @@ class ReplayQueue:
 
     def _expire_tickets(self) -> None:
         timeout = self.config.ticket_timeout_s
-        if timeout is None:
+        if timeout is None or not self._running:
             return
         cutoff = time.time() - timeout
         expired = []
@@ -199,15 +202,16 @@ class ReplayQueue:
             batch, spans = validate_batch(batch, group_size=cfg.group_size,
                                           trainer_version=self.version, vocab_size=cfg.vocab_size)
             payload = to_payload(batch) if to_payload else batch
-            with self._cond:
+            with self._lock:
                 self._check_tickets(spans)
+                now = time.time()
                 for span in spans:
-                    self._enqueue(span, payload)
+                    self._enqueue(span, payload, now)
                 self.counters["committed"] += len(spans)
                 self._cond.notify_all()
                 return [span.group_id for span in spans]
         except BatchError:
-            with self._cond:
+            with self._lock:
                 self.counters["rejected_batches"] += 1
             raise
 
@@ -228,11 +232,11 @@ class ReplayQueue:
                                  f"group {span.group_id} comes from producer {span.producer_id}, "
                                  f"its ticket was given to {ticket.producer_id}")
 
-    def _enqueue(self, span: GroupSpan, payload: Any) -> None:
+    def _enqueue(self, span: GroupSpan, payload: Any, now: float) -> None:
         del self._running[span.group_id]
         self._states[span.group_id] = QUEUED
         self._add_queued(QueuedGroup(span.group_id, span.prompt_id, span.producer_id, span.min_version,
-                                     span.num_tokens, span.row_start, span.row_count, payload, self._seq))
+                                     span.num_tokens, span.row_start, span.row_count, payload, self._seq, now))
 
     def _add_queued(self, group: QueuedGroup) -> None:
         self._seq = max(self._seq, group.seq) + 1
@@ -242,7 +246,7 @@ class ReplayQueue:
 
     def abandon(self, ticket_ids: list[int]) -> None:
         """Give running tickets back: their prompts will be generated again."""
-        with self._cond:
+        with self._lock:
             for ticket_id in ticket_ids:
                 if ticket_id not in self._running:
                     state = self._states[ticket_id] if 0 <= ticket_id < len(self._states) else UNKNOWN
@@ -251,7 +255,7 @@ class ReplayQueue:
 
     def abandon_producer(self, producer_id: int) -> list[int]:
         """Abandon every running ticket of a producer (it died or stopped); returns their ids."""
-        with self._cond:
+        with self._lock:
             ids = [t.ticket_id for t in self._running.values() if t.producer_id == producer_id]
             self._abandon_locked(ids)
             return ids
@@ -276,7 +280,7 @@ class ReplayQueue:
         if wanted < 1:
             raise ValueError(f"num_groups must be >= 1, got {wanted}")
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             while True:
                 if self._closed:
                     raise QueueClosed("queue closed")
@@ -320,7 +324,7 @@ class ReplayQueue:
 
     def set_version(self, version: int) -> None:
         """The trainer finished optimizer step `version` (versions only grow)."""
-        with self._cond:
+        with self._lock:
             if version < self._version:
                 raise ValueError(f"version {version} is older than the current version {self._version}")
             self._version = version
@@ -334,24 +338,24 @@ class ReplayQueue:
     # ---- operator controls -------------------------------------------------------------------------
     def pause(self) -> bool:
         """Stop new admissions; returns whether the queue was already paused."""
-        with self._cond:
+        with self._lock:
             was_paused, self._paused = self._paused, True
             return was_paused
 
     def resume(self, was_paused: bool = False) -> None:
         """Restore the state before a `pause()` (`was_paused=True` keeps it paused)."""
-        with self._cond:
+        with self._lock:
             self._paused = was_paused
             self._cond.notify_all()
 
     def close(self) -> None:
         """Wake every waiter; later admit/get raise QueueClosed. Commits are still accepted."""
-        with self._cond:
+        with self._lock:
             self._closed = True
             self._cond.notify_all()
 
     def status(self) -> dict[str, Any]:
-        with self._cond:
+        with self._lock:
             self._expire_tickets()
             by_staleness: dict[int, int] = {}
             for group in self._queued.values():
@@ -379,7 +383,7 @@ class ReplayQueue:
     def snapshot(self) -> dict[str, Any]:
         """A consistent copy of the state for a checkpoint. Prompts of running groups are listed with
         the returned ones: after a restore they are generated again and their tickets have expired."""
-        with self._cond:
+        with self._lock:
             self._expire_tickets()
             return {
                 "version": self._version,
@@ -411,20 +415,20 @@ class ReplayQueue:
 
     # ---- introspection (tests, checkpoints) --------------------------------------------------------
     def running_tickets(self) -> list[Ticket]:
-        with self._cond:
+        with self._lock:
             return list(self._running.values())
 
     def queued_groups(self) -> list[QueuedGroup]:
         """Queued groups in the order `get` would take them."""
-        with self._cond:
+        with self._lock:
             return sorted(self._queued.values(), key=QueuedGroup.sort_key)
 
     def returned_prompts(self) -> list[int]:
-        with self._cond:
+        with self._lock:
             return list(self._returned)
 
     def ticket_state(self, ticket_id: int) -> str:
-        with self._cond:
+        with self._lock:
             return _STATE_NAMES[self._states[ticket_id]] if 0 <= ticket_id < len(self._states) else "unknown"
 
 

@@ -7,7 +7,7 @@ batch's row index, or None when the problem is not tied to a row) and what is wr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -33,8 +33,7 @@ class BatchError(ValueError):
         super().__init__(f"{prefix}: {problem}" if prefix else problem)
 
 
-@dataclass(frozen=True)
-class GroupSpan:
+class GroupSpan(NamedTuple):
     """One group's rows inside a validated batch."""
 
     group_id: int
@@ -96,13 +95,14 @@ def _check_token_range(name: str, column: pa.ListArray, vocab_size: int | None) 
     values = list_values(column)
     if not len(values):
         return
-    low = values < 0
-    high = values >= vocab_size if vocab_size is not None else np.zeros_like(low)
-    if low.any() or high.any():
-        flat = _first_row_where(low | high)
-        row = _row_of_flat_index(list_offsets(column), flat)
-        allowed = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-        raise BatchError(name, row, f"token id {int(values[flat])} outside {allowed}")
+    # Reductions first: they allocate nothing; the row is looked for only when something is wrong.
+    if values.min() >= 0 and (vocab_size is None or values.max() < vocab_size):
+        return
+    bad = (values < 0) | (values >= vocab_size if vocab_size is not None else False)
+    flat = _first_row_where(bad)
+    allowed = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+    raise BatchError(name, _row_of_flat_index(list_offsets(column), flat),
+                     f"token id {int(values[flat])} outside {allowed}")
 
 
 def validate_batch(
@@ -141,16 +141,15 @@ def validate_batch(
     _check_token_range("response_ids", batch.column("response_ids"), vocab_size)
 
     logprobs = list_values(batch.column("behavior_logprobs"))
-    bad = ~np.isfinite(logprobs) | (logprobs > 1e-3)
-    if bad.any():
-        flat = _first_row_where(bad)
+    # max() is NaN when any value is NaN, so two reductions decide the common, valid case.
+    if not (np.isfinite(logprobs.min()) and logprobs.max() <= 1e-3):
+        flat = _first_row_where(~np.isfinite(logprobs) | (logprobs > 1e-3))
         raise BatchError("behavior_logprobs", _row_of_flat_index(response_offsets, flat),
                          f"log-probability {logprobs[flat]} is not finite and <= 0")
 
     versions = list_values(batch.column("versions"))
-    bad = (versions < 0) | (versions > trainer_version)
-    if bad.any():
-        flat = _first_row_where(bad)
+    if versions.min() < 0 or versions.max() > trainer_version:
+        flat = _first_row_where((versions < 0) | (versions > trainer_version))
         raise BatchError("versions", _row_of_flat_index(response_offsets, flat),
                          f"version {int(versions[flat])} outside [0, trainer version {trainer_version}]")
 
@@ -171,38 +170,42 @@ def validate_batch(
 def _split_groups(batch: pa.RecordBatch, group_size: int, row_min_version: np.ndarray,
                   row_tokens: np.ndarray) -> list[GroupSpan]:
     group_ids = batch.column("group_id").to_numpy()
-    prompt_ids = batch.column("prompt_id").to_numpy()
-    sample_index = batch.column("sample_index").to_numpy()
-    producer_ids = batch.column("producer_id").to_numpy()
     starts = np.flatnonzero(np.r_[True, group_ids[1:] != group_ids[:-1]])
     counts = np.diff(np.r_[starts, len(group_ids)])
-    if len(np.unique(group_ids[starts])) != len(starts):
-        seen: set[int] = set()
-        for start in starts:
-            if int(group_ids[start]) in seen:
-                raise BatchError("group_id", int(start), f"rows of group {group_ids[start]} are not contiguous")
-            seen.add(int(group_ids[start]))
-    spans = []
-    for start, count in zip(starts.tolist(), counts.tolist()):
-        group = int(group_ids[start])
-        if count != group_size:
-            raise BatchError("group_id", start, f"group {group} has {count} samples, expected {group_size}")
-        indices = sample_index[start:start + count]
-        if not np.array_equal(np.sort(indices), np.arange(group_size)):
-            raise BatchError("sample_index", start,
-                             f"group {group} has sample indices {sorted(indices.tolist())}, "
-                             f"expected 0..{group_size - 1} once each")
-        prompts = prompt_ids[start:start + count]
-        if (prompts != prompts[0]).any():
-            raise BatchError("prompt_id", start + _first_row_where(prompts != prompts[0]),
-                             f"group {group} mixes prompt ids")
-        producers = producer_ids[start:start + count]
-        if (producers != producers[0]).any():
-            raise BatchError("producer_id", start + _first_row_where(producers != producers[0]),
-                             f"group {group} mixes producer ids")
-        spans.append(GroupSpan(
-            group_id=group, prompt_id=int(prompts[0]), row_start=start, row_count=count,
-            min_version=int(row_min_version[start:start + count].min()),
-            num_tokens=int(row_tokens[start:start + count].sum()), producer_id=int(producers[0]),
-        ))
-    return spans
+    firsts = group_ids[starts]
+    if len(np.unique(firsts)) != len(starts):
+        order = np.argsort(firsts, kind="stable")
+        repeated = order[1:][firsts[order[1:]] == firsts[order[:-1]]]
+        row = int(starts[repeated.min()])
+        raise BatchError("group_id", row, f"rows of group {group_ids[row]} are not contiguous")
+    if (counts != group_size).any():
+        bad = _first_row_where(counts != group_size)
+        raise BatchError("group_id", int(starts[bad]),
+                         f"group {firsts[bad]} has {counts[bad]} samples, expected {group_size}")
+
+    # Every group now spans exactly group_size consecutive rows: check them as a [groups, G] grid.
+    def grid(name: str) -> np.ndarray:
+        return batch.column(name).to_numpy().reshape(-1, group_size)
+
+    indices = np.sort(grid("sample_index"), axis=1)
+    bad_groups = (indices != np.arange(group_size)).any(axis=1)
+    if bad_groups.any():
+        g = _first_row_where(bad_groups)
+        raise BatchError("sample_index", int(starts[g]), f"group {firsts[g]} has sample indices "
+                         f"{indices[g].tolist()}, expected 0..{group_size - 1} once each")
+    for name, what in (("prompt_id", "prompt ids"), ("producer_id", "producer ids")):
+        values = grid(name)
+        mixed = values != values[:, :1]
+        if mixed.any():
+            flat = _first_row_where(mixed.ravel())
+            raise BatchError(name, flat, f"group {group_ids[flat]} mixes {what}")
+
+    min_version = np.minimum.reduceat(row_min_version, starts)
+    tokens = np.add.reduceat(row_tokens, starts)
+    prompts, producers = grid("prompt_id")[:, 0], grid("producer_id")[:, 0]
+    return [
+        GroupSpan(group_id=g, prompt_id=p, row_start=r, row_count=group_size, min_version=v, num_tokens=t,
+                  producer_id=q)
+        for g, p, r, v, t, q in zip(firsts.tolist(), prompts.tolist(), starts.tolist(), min_version.tolist(),
+                                    tokens.tolist(), producers.tolist())
+    ]

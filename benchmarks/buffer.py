@@ -1,0 +1,171 @@
+"""Replay-queue throughput: in-process commit+get, admission, and the Ray path, side by side.
+
+    python benchmarks/buffer.py --out benchmarks/results/buffer.json
+
+Every figure is measured in the same run, so the ratios (put/get against memcpy) hold on a noisy
+shared machine. Batches are 4,096 samples of ~512 response tokens (lengths drawn from 384-640).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+from rich.console import Console
+from rich.table import Table
+
+from streamrl.buffer import QueueConfig, ReplayQueue, assemble
+from streamrl.buffer.actor import create_queue_actor, fetch_table
+from streamrl.buffer.synthetic import synthetic_batch
+
+SAMPLES, GROUP = 4096, 8
+GROUPS = SAMPLES // GROUP
+TARGETS = {"put_get_vs_memcpy": 0.25, "admit_per_s": 100_000, "ray_admit_slots_per_s": 10_000}
+
+
+def big_config() -> QueueConfig:
+    return QueueConfig(group_size=GROUP, groups_per_step=GROUPS, max_staleness=1_000_000,
+                       max_in_flight=10_000_000, capacity_tokens=10**12, vocab_size=151_936)
+
+
+def bench_put_get(repeats: int) -> dict:
+    queue = ReplayQueue(big_config())
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(repeats):
+        tickets = queue.admit(0, GROUPS).tickets
+        batches.append(synthetic_batch(tickets, GROUP, prompt_len=(32, 96), response_len=(384, 640),
+                                       vocab_size=151_936, rng=rng))
+    nbytes = batches[0].nbytes
+    times = []
+    for batch in batches:
+        t0 = time.perf_counter()
+        queue.commit(batch)
+        table = assemble(queue.get(GROUPS, timeout=0).groups)
+        times.append(time.perf_counter() - t0)
+        assert table.num_rows == SAMPLES
+    copy_times = []
+    for batch in batches:
+        buffers = [np.frombuffer(buf, np.uint8) for col in batch.columns for buf in col.buffers() if buf is not None]
+        targets = [np.empty_like(b) for b in buffers]
+        t0 = time.perf_counter()
+        for src, dst in zip(buffers, targets):
+            np.copyto(dst, src)
+        copy_times.append(time.perf_counter() - t0)
+    best, copy_best = min(times), min(copy_times)
+    return {"batch_mb": nbytes / 1e6, "put_get_s": best, "put_get_gbps": nbytes / best / 1e9,
+            "memcpy_gbps": nbytes / copy_best / 1e9}
+
+
+def bench_admit(seconds: float) -> dict:
+    queue = ReplayQueue(big_config())
+    calls, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(1000):
+            queue.admit(0, 1)
+        calls += 1000
+    single = calls / (time.perf_counter() - t0)
+    slots, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        slots += len(queue.admit(0, 64).tickets)
+    return {"admit_per_s": single, "admit_slots_per_s_batched": slots / (time.perf_counter() - t0)}
+
+
+@ray.remote(num_cpus=0)
+class _Producer:
+    def __init__(self, queue):
+        self.queue = queue
+
+    def prepare(self, batches: int) -> None:
+        # Generated before the clock starts: what is measured is the transport, not the sampling.
+        rng = np.random.default_rng(1)
+        self.batches = []
+        for _ in range(batches):
+            tickets = ray.get(self.queue.admit.remote(0, GROUPS, timeout=30.0)).tickets
+            self.batches.append(synthetic_batch(tickets, GROUP, prompt_len=(32, 96), response_len=(384, 640),
+                                                vocab_size=151_936, rng=rng))
+
+    def produce(self) -> int:
+        for batch in self.batches:
+            ray.get(self.queue.commit.remote(batch))
+        return sum(batch.nbytes for batch in self.batches)
+
+    def admit_rate(self, seconds: float, per_call: int) -> float:
+        slots, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            slots += len(ray.get(self.queue.admit.remote(1, per_call)).tickets)
+        return slots / (time.perf_counter() - t0)
+
+
+@ray.remote(num_cpus=0)
+class _Trainer:
+    def __init__(self, queue):
+        self.queue = queue
+
+    def consume(self, batches: int) -> tuple[int, float]:
+        received, t0 = 0, None
+        for _ in range(batches):
+            table = fetch_table(ray.get(self.queue.get.remote(GROUPS, timeout=60.0)))
+            t0 = t0 or time.perf_counter()  # the clock starts at the first batch (actor start-up excluded)
+            received += table.nbytes
+        return received, time.perf_counter() - t0
+
+
+def bench_ray(batches: int, seconds: float) -> dict:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        queue = create_queue_actor("bench-buffer", big_config())
+        producer, trainer = _Producer.remote(queue), _Trainer.remote(queue)
+        ray.get([producer.admit_rate.remote(0.2, 64)])  # warm both actors up
+        slots_per_s = ray.get(producer.admit_rate.remote(seconds, 64))
+        ray.get(producer.prepare.remote(batches + 1))
+        consumed = trainer.consume.remote(batches + 1)
+        ray.get(producer.produce.remote())
+        received, elapsed = ray.get(consumed)
+        per_batch = received / (batches + 1)
+        return {"ray_admit_slots_per_s": slots_per_s, "ray_gbps": per_batch * batches / elapsed / 1e9}
+    finally:
+        ray.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/buffer.json"))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=1.0)
+    parser.add_argument("--ray-batches", type=int, default=8)
+    args = parser.parse_args()
+
+    results = {**bench_put_get(args.repeats), **bench_admit(args.seconds),
+               **bench_ray(args.ray_batches, args.seconds)}
+    results["put_get_vs_memcpy"] = results["put_get_gbps"] / results["memcpy_gbps"]
+    report = {
+        "benchmark": "buffer",
+        "workload": {"samples_per_batch": SAMPLES, "group_size": GROUP, "response_tokens": "384-640",
+                     "prompt_tokens": "32-96", "vocab_size": 151_936},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "ray": ray.__version__},
+        "results": results,
+        "targets": {k: {"target": v, "measured": results[k], "met": results[k] >= v} for k, v in TARGETS.items()},
+        **results,
+    }
+    table = Table(title="streamrl replay queue")
+    for column in ("metric", "value", "target"):
+        table.add_column(column)
+    for key, value in results.items():
+        target = TARGETS.get(key)
+        table.add_row(key, f"{value:,.3f}", "" if target is None else f">= {target:,} "
+                      + ("(met)" if value >= target else "(MISSED)"))
+    Console().print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

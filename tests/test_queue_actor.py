@@ -1,0 +1,116 @@
+"""The queue as a named Ray actor: producers and a trainer in separate processes."""
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from streamrl.buffer import QueueConfig
+from streamrl.buffer.actor import create_queue_actor, fetch_table, get_queue_actor
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    yield
+    ray.shutdown()
+
+
+def make_producer_class():
+    # Defined in a function so that Ray ships the class by value (workers cannot import tests/).
+    @ray.remote(num_cpus=0)
+    class Producer:
+        def __init__(self, run_name, producer_id, group_size):
+            from streamrl.buffer.actor import get_queue_actor
+
+            self.queue = get_queue_actor(run_name)
+            self.producer_id, self.group_size = producer_id, group_size
+
+        def run(self, max_groups, per_batch):
+            """Generate until the queue closes or `max_groups` are committed; returns committed ids.
+
+            Tokens are stamped with the version current at admission, as a producer that loads the
+            newest weights before each batch would."""
+            import numpy as np
+
+            from streamrl.buffer import QueueClosed
+            from streamrl.buffer.synthetic import synthetic_batch
+
+            rng, done = np.random.default_rng(self.producer_id), []
+            try:
+                while len(done) < max_groups:
+                    wanted = min(per_batch, max_groups - len(done))
+                    adm = ray.get(self.queue.admit.remote(self.producer_id, wanted, timeout=1.0))
+                    if adm.tickets:
+                        versions = [t.admitted_version for t in adm.tickets]
+                        batch = synthetic_batch(adm.tickets, self.group_size, version=versions, rng=rng,
+                                                response_len=(4, 64))
+                        done += ray.get(self.queue.commit.remote(batch))
+            except QueueClosed:
+                pass
+            return done
+
+        def pid(self):
+            return os.getpid()
+
+    return Producer
+
+
+def test_two_producers_and_a_trainer_through_the_named_actor(ray_local):
+    config = QueueConfig(group_size=4, groups_per_step=4, max_staleness=1, max_in_flight=16)
+    queue = create_queue_actor("actor-test", config)
+    Producer = make_producer_class()
+    producers = [Producer.remote("actor-test", i, 4) for i in range(2)]
+    runs = [p.run.remote(1000, 3) for p in producers]
+    consumed = []
+    for step in range(6):
+        got = ray.get(queue.get.remote(timeout=30))
+        assert got is not None, (step, str(ray.get(queue.status.remote())))
+        assert max(got.staleness) <= 1  # over-budget groups are regenerated, never trained on
+        table = fetch_table(got)
+        assert table.num_rows == 16
+        consumed += table.column("group_id").to_pylist()[::4]
+        ray.get(queue.set_version.remote(step + 1))
+    ray.get(queue.close.remote())
+    produced = sum(ray.get(runs), [])
+    status = ray.get(get_queue_actor("actor-test").status.remote())
+    assert len(set(consumed)) == len(consumed) == status["consumed"] == 24
+    assert set(consumed) <= set(produced) and len(set(produced)) == len(produced) == status["committed"]
+    assert status["committed"] == status["consumed"] + status["queued_groups"] + status["over_budget"]
+    ray.kill(queue)
+
+
+def test_committed_batches_survive_their_producer(ray_local):
+    config = QueueConfig(group_size=2, groups_per_step=3, max_staleness=0, max_in_flight=3)
+    queue = create_queue_actor("ownership-test", config)
+    producer = make_producer_class().remote("ownership-test", 7, 2)
+    produced = ray.get(producer.run.remote(3, 3))
+    os.kill(ray.get(producer.pid.remote()), signal.SIGKILL)  # the producer dies right after its commit
+    time.sleep(0.5)
+    got = ray.get(queue.get.remote(timeout=10))
+    table = fetch_table(got)  # the bytes are owned by the queue actor, not by the dead producer
+    assert sorted(set(table.column("group_id").to_pylist())) == sorted(produced)
+    ray.kill(queue)
+
+
+def test_unknown_run_is_a_clear_error(ray_local):
+    with pytest.raises(ValueError, match="no running streamrl run named 'nope'"):
+        get_queue_actor("nope")
+
+
+def test_checkpoint_through_the_actor_fetches_the_payloads(ray_local, tmp_path):
+    from streamrl.buffer import load_queue
+
+    config = QueueConfig(group_size=2, groups_per_step=2, max_staleness=1, max_in_flight=4)
+    queue = create_queue_actor("ckpt-test", config)
+    ray.get(make_producer_class().remote("ckpt-test", 1, 2).run.remote(3, 3))
+    path = ray.get(queue.checkpoint.remote(str(tmp_path / "ckpt")))
+    assert load_queue(path).status()["queued_groups"] == 3
+    restored = create_queue_actor("ckpt-restored", config, restore_from=path)
+    assert ray.get(restored.status.remote())["queued_groups"] == 3
+    assert fetch_table(ray.get(restored.get.remote(timeout=5))).num_rows == 4
+    ray.kill(queue), ray.kill(restored)
