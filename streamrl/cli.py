@@ -1,0 +1,103 @@
+"""The `streamrl` command: a handful of verbs.
+
+    streamrl admission pause|resume|status --run NAME [--address ADDR] [--json]
+    streamrl bench [NAME [ARGS ...]]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def _connect(address: str | None) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=address or "auto", namespace="streamrl", log_to_driver=False, logging_level="ERROR")
+    except ConnectionError as exc:
+        raise CliError(f"cannot reach a Ray cluster at {address or 'auto'}: {exc}. "
+                       "Start the run first, or pass --address HOST:PORT") from exc
+
+
+def admission(args: argparse.Namespace) -> int:
+    import ray
+
+    from streamrl.buffer.actor import get_queue_actor
+
+    _connect(args.address)
+    try:
+        queue = get_queue_actor(args.run)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    if args.action == "pause":
+        was_paused = ray.get(queue.pause.remote())
+        print(f"{args.run}: admission paused" + (" (it already was)" if was_paused else ""))
+    elif args.action == "resume":
+        ray.get(queue.resume.remote(False))
+        print(f"{args.run}: admission resumed")
+    status = ray.get(queue.status.remote())
+    if args.action == "status":
+        if args.json:
+            print(json.dumps(status))
+        else:
+            width = max(map(len, status))
+            for key, value in status.items():
+                print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    available = sorted(p.stem for p in BENCHMARKS.glob("*.py")) if BENCHMARKS.is_dir() else []
+    if not available:
+        raise CliError(f"no benchmarks found at {BENCHMARKS}: run from a source checkout of streamrl")
+    if args.name is None:
+        print("benchmarks: " + ", ".join(available))
+        return 0
+    if args.name not in available:
+        raise CliError(f"unknown benchmark {args.name!r}; choose one of: {', '.join(available)}")
+    command = [sys.executable, str(BENCHMARKS / f"{args.name}.py"), *args.args]
+    return subprocess.call(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamrl", description="Fully asynchronous streaming RL for LLMs.")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+
+    adm = verbs.add_parser("admission", help="pause, resume or inspect a running job's admission control")
+    adm.add_argument("action", choices=["pause", "resume", "status"])
+    adm.add_argument("--run", required=True, help="the run's name")
+    adm.add_argument("--address", help="Ray cluster address (default: the local cluster)")
+    adm.add_argument("--json", action="store_true", help="status as one JSON object")
+    adm.set_defaults(func=admission)
+
+    b = verbs.add_parser("bench", help="list or run the benchmarks in benchmarks/")
+    b.add_argument("name", nargs="?", help="benchmark to run (omit to list them)")
+    b.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    b.set_defaults(func=bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CliError as exc:
+        print(f"streamrl: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The loss as a tagged choice in the config, and the one factory that binds it to a function."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from streamrl.correction.losses import LOSSES, NEEDS_PROXIMAL, PolicyBatch
+
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class LossConfig(BaseModel):
+    """Policy loss and off-policy correction. Unused fields of other variants are ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Literal["decoupled_ppo", "ppo_bypass", "tis", "masked_is", "reinforce", "naive"] = "decoupled_ppo"
+    """Which objective; `decoupled_ppo` corrects for stale data by default, `naive` is the baseline."""
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    """PPO ε: the ratio is clipped below at 1 − ε."""
+    clip_high: float = Field(0.2, gt=0)
+    """PPO ε_high: the ratio is clipped above at 1 + ε_high (DAPO's clip-higher when > clip_low)."""
+    is_cap: float = Field(2.0, ge=1)
+    """C: the behaviour importance weight is truncated at C (decoupled_ppo, tis, reinforce)."""
+    level: Literal["token", "sequence", "geometric"] = "token"
+    """masked_is: whether the ratio is checked per token, per sequence (product) or by geometric mean."""
+    lo: float = Field(0.5, ge=0, le=1)
+    """masked_is: tokens or sequences with ratio below this are masked."""
+    hi: float = Field(2.0, ge=1)
+    """masked_is: tokens or sequences with ratio above this are masked."""
+    reweight: bool = True
+    """masked_is: weight kept tokens by the ratio (masked IS) or by 1 (rejection)."""
+    aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
+    """How per-token losses become one number."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of a KL penalty to a reference policy (0: none)."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+
+    @model_validator(mode="after")
+    def _bounds(self) -> LossConfig:
+        if self.lo >= self.hi:
+            raise ValueError(f"lo={self.lo} must be below hi={self.hi}")
+        return self
+
+    @property
+    def needs_proximal(self) -> bool:
+        """Whether the trainer must compute p (one extra no-grad forward per step)."""
+        return NEEDS_PROXIMAL[self.name]
+
+
+_PARAMS = {
+    "decoupled_ppo": ("clip_low", "clip_high", "is_cap"),
+    "ppo_bypass": ("clip_low", "clip_high"),
+    "tis": ("is_cap",),
+    "masked_is": ("level", "lo", "hi", "reweight", "clip_low", "clip_high"),
+    "reinforce": ("is_cap",),
+    "naive": ("clip_low", "clip_high"),
+}
+
+
+def make_loss(config: LossConfig) -> LossFn:
+    """`fn(batch: PolicyBatch, *, denominator=None, trainer_version=None) -> (loss, metrics)`."""
+    params = {key: getattr(config, key) for key in _PARAMS[config.name]}
+    return partial(LOSSES[config.name], aggregation=config.aggregation, kl_coef=config.kl_coef,
+                   kl_estimator=config.kl_estimator, **params)
+
+
+__all__ = ["LossConfig", "LossFn", "PolicyBatch", "make_loss"]

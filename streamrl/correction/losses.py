@@ -1,0 +1,261 @@
+"""Policy losses with off-policy correction. Pure functions over tensors returning `(loss, metrics)`.
+
+Notation (all [N, T], aligned to response tokens): `b` behaviour log-prob (the engine that sampled),
+`p` proximal log-prob (trainer weights at the start of the step, no grad), `θ` current log-prob
+(with grad), `A` token advantage, `mask` valid response tokens.
+
+| loss            | per-token objective (minimised)                                   | needs p |
+|-----------------|-------------------------------------------------------------------|---------|
+| `decoupled_ppo` | −min(e^(p−b), C) · min(r·A, clip(r, 1−ε, 1+ε_h)·A),  r = e^(θ−p)  | yes     |
+| `ppo_bypass`    | −min(r_b·A, clip(r_b, 1−ε, 1+ε_h)·A),  r_b = e^(θ−b)              | no      |
+| `tis`           | −min(e^(p−b), C) · r·A  (truncated IS, no PPO clip)                | yes     |
+| `masked_is`     | PPO term on r, tokens/sequences with e^(p−b) outside [lo, hi] masked; kept ones weighted by the ratio (or by 1 with `reweight=False`: rejection) | yes |
+| `reinforce`     | −sg(min(e^(θ−b), C)) · A · θ  (REINFORCE with truncated IS)        | no      |
+| `naive`         | −min(r·A, clip(r)·A): PPO on p, behaviour ignored (the baseline)  | yes     |
+
+Safety: every log-ratio is clamped to ±`LOG_RATIO_CLAMP` before `exp`; tokens whose behaviour (or
+proximal) log-prob is not finite are masked and counted; an all-masked batch gives a zero loss whose
+gradients are zero, never NaN. Metrics are detached 0-d tensors (no device sync here).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+
+LOG_RATIO_CLAMP = 20.0
+Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
+Level = Literal["token", "sequence", "geometric"]
+
+
+class PolicyBatch(NamedTuple):
+    """The tensors every loss reads; [N, T] each, `mask` bool."""
+
+    logprobs: torch.Tensor  # θ, with grad
+    behavior_logprobs: torch.Tensor  # b
+    advantages: torch.Tensor  # A per token
+    mask: torch.Tensor
+    proximal_logprobs: torch.Tensor | None = None  # p, no grad
+    ref_logprobs: torch.Tensor | None = None  # reference policy, for the KL penalty
+    versions: torch.Tensor | None = None  # behaviour version per token, for staleness metrics
+
+
+def _exp_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def _prepare(batch: PolicyBatch, *, needs_proximal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Valid mask and finite stand-ins for b and p (masked tokens take θ's value: ratio 1, no NaN)."""
+    theta = batch.logprobs
+    if needs_proximal and batch.proximal_logprobs is None:
+        raise ValueError("this loss needs proximal_logprobs (the trainer's log-probs before the step)")
+    valid = batch.mask.bool() & torch.isfinite(batch.behavior_logprobs) & torch.isfinite(theta.detach())
+    prox = batch.proximal_logprobs
+    if prox is not None:
+        valid &= torch.isfinite(prox)
+    stand_in = theta.detach()
+    behavior = torch.where(valid, batch.behavior_logprobs, stand_in)
+    proximal = torch.where(valid, prox, stand_in) if prox is not None else None
+    return valid, behavior, proximal
+
+
+def _ppo_term(log_ratio: torch.Tensor, adv: torch.Tensor, clip_low: float,
+              clip_high: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """−min(r·A, clip(r)·A) per token, whether the clip was active, and r."""
+    ratio = _exp_ratio(log_ratio)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped), ratio
+
+
+def _aggregate(per_token: torch.Tensor, valid: torch.Tensor, aggregation: Aggregation,
+               denominator: float | None) -> torch.Tensor:
+    weights = valid.to(per_token.dtype)
+    masked = per_token * weights  # per_token is finite everywhere, so masking by product is safe
+    if aggregation == "token_mean":
+        return masked.sum() / (denominator if denominator is not None else weights.sum().clamp(min=1.0))
+    if aggregation == "seq_mean_token_sum":
+        return masked.sum() / (denominator if denominator is not None else max(per_token.shape[0], 1))
+    if aggregation == "seq_mean_token_mean":
+        per_seq = masked.sum(-1) / weights.sum(-1).clamp(min=1.0)
+        return per_seq.sum() / (denominator if denominator is not None else max(per_token.shape[0], 1))
+    raise ValueError(f"unknown aggregation {aggregation!r}")
+
+
+def _masked_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return (x * valid).sum() / valid.sum().clamp(min=1)
+
+
+def _finish(per_token: torch.Tensor, batch: PolicyBatch, valid: torch.Tensor, *, is_log_ratio: torch.Tensor,
+            weights: torch.Tensor, clipped: torch.Tensor | None, truncated: torch.Tensor | None,
+            rejected: torch.Tensor | None, aggregation: Aggregation, denominator: float | None,
+            kl_coef: float, kl_estimator: Literal["k1", "k3"], trainer_version: int | None,
+            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Add the KL penalty, aggregate, and compute the metrics every loss reports."""
+    metrics: dict[str, torch.Tensor] = {}
+    if kl_coef and batch.ref_logprobs is not None:
+        kl = _kl_penalty(batch.logprobs, batch.ref_logprobs, valid, kl_estimator)
+        per_token = per_token + kl_coef * kl
+        metrics["kl_ref"] = _masked_mean(kl.detach(), valid)
+    kept = valid if rejected is None else valid & ~rejected
+    loss = _aggregate(per_token, kept, aggregation, denominator)
+
+    with torch.no_grad():
+        tokens = batch.mask.bool().sum().clamp(min=1)
+        raw_ratio = _exp_ratio(is_log_ratio)
+        big, small = torch.finfo(raw_ratio.dtype).max, torch.finfo(raw_ratio.dtype).min
+        w = weights * kept
+        metrics.update(
+            tokens=kept.sum().float(),
+            ratio_mean=_masked_mean(raw_ratio, valid),
+            ratio_min=torch.where(valid, raw_ratio, big).min() if valid.any() else raw_ratio.new_tensor(1.0),
+            ratio_max=torch.where(valid, raw_ratio, small).max() if valid.any() else raw_ratio.new_tensor(1.0),
+            clipped_fraction=_masked_mean(clipped.float(), kept) if clipped is not None else raw_ratio.new_tensor(0.0),
+            truncated_fraction=_masked_mean(truncated.float(), valid) if truncated is not None
+            else raw_ratio.new_tensor(0.0),
+            masked_fraction=(batch.mask.bool().sum() - kept.sum()) / tokens,
+            nonfinite_fraction=(batch.mask.bool() & ~valid).sum() / tokens,
+            ess=(w.sum() ** 2 / (kept.sum().clamp(min=1) * (w ** 2).sum().clamp(min=1e-30))),
+            # k3 estimate of KL(b || p) from tokens sampled by b: (r − 1) − log r, r = p/b.
+            kl_behavior_proximal=_masked_mean(raw_ratio - 1.0 - is_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP),
+                                              valid),
+        )
+        if batch.versions is not None and trainer_version is not None:
+            age = (trainer_version - batch.versions).float()
+            metrics["staleness_mean"] = _masked_mean(age, valid)
+            metrics["staleness_max"] = torch.where(valid, age, -1.0).max() if valid.any() else age.new_tensor(0.0)
+    return loss, metrics
+
+
+def _kl_penalty(theta: torch.Tensor, ref: torch.Tensor, valid: torch.Tensor,
+                estimator: Literal["k1", "k3"]) -> torch.Tensor:
+    log_ratio = torch.where(valid, ref, theta.detach()) - theta  # log(π_ref / π_θ)
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k3":
+        return _exp_ratio(log_ratio) - 1.0 - log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def _common(aggregation, denominator, kl_coef, kl_estimator, trainer_version) -> dict:
+    return dict(aggregation=aggregation, denominator=denominator, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                trainer_version=trainer_version)
+
+
+def decoupled_ppo(batch: PolicyBatch, *, clip_low: float = 0.2, clip_high: float = 0.2, is_cap: float = 2.0,
+                  aggregation: Aggregation = "token_mean", denominator: float | None = None, kl_coef: float = 0.0,
+                  kl_estimator: Literal["k1", "k3"] = "k3", trainer_version: int | None = None):
+    """AReaL's decoupled objective: PPO trust region around p, truncated IS weight from b to p."""
+    valid, b, p = _prepare(batch, needs_proximal=True)
+    is_log_ratio = p - b
+    raw_w = _exp_ratio(is_log_ratio)
+    w = raw_w.clamp(max=is_cap)
+    term, clipped, _ = _ppo_term(batch.logprobs - p, batch.advantages, clip_low, clip_high)
+    return _finish(w * term, batch, valid, is_log_ratio=is_log_ratio, weights=w, clipped=clipped,
+                   truncated=raw_w > is_cap, rejected=None,
+                   **_common(aggregation, denominator, kl_coef, kl_estimator, trainer_version))
+
+
+def ppo_bypass(batch: PolicyBatch, *, clip_low: float = 0.2, clip_high: float = 0.2,
+               aggregation: Aggregation = "token_mean", denominator: float | None = None, kl_coef: float = 0.0,
+               kl_estimator: Literal["k1", "k3"] = "k3", trainer_version: int | None = None):
+    """PPO clipped against the behaviour policy directly (no proximal forward pass)."""
+    valid, b, _ = _prepare(batch, needs_proximal=False)
+    term, clipped, _ = _ppo_term(batch.logprobs - b, batch.advantages, clip_low, clip_high)
+    is_log_ratio = batch.logprobs.detach() - b
+    return _finish(term, batch, valid, is_log_ratio=is_log_ratio, weights=torch.ones_like(term),
+                   clipped=clipped, truncated=None, rejected=None,
+                   **_common(aggregation, denominator, kl_coef, kl_estimator, trainer_version))
+
+
+def tis(batch: PolicyBatch, *, is_cap: float = 2.0, aggregation: Aggregation = "token_mean",
+        denominator: float | None = None, kl_coef: float = 0.0, kl_estimator: Literal["k1", "k3"] = "k3",
+        trainer_version: int | None = None):
+    """Truncated importance sampling: the IS-weighted policy gradient with the weight from b to p
+    capped at C, and no trust-region clip."""
+    valid, b, p = _prepare(batch, needs_proximal=True)
+    is_log_ratio = p - b
+    raw_w = _exp_ratio(is_log_ratio)
+    w = raw_w.clamp(max=is_cap)
+    per_token = -w * _exp_ratio(batch.logprobs - p) * batch.advantages
+    return _finish(per_token, batch, valid, is_log_ratio=is_log_ratio, weights=w, clipped=None,
+                   truncated=raw_w > is_cap, rejected=None,
+                   **_common(aggregation, denominator, kl_coef, kl_estimator, trainer_version))
+
+
+def _rejected(is_log_ratio: torch.Tensor, valid: torch.Tensor, level: Level, lo: float, hi: float) -> torch.Tensor:
+    """Tokens whose ratio (token, whole-sequence product, or geometric mean) lies outside [lo, hi]."""
+    lr = torch.where(valid, is_log_ratio, 0.0)
+    if level == "token":
+        per = lr
+    elif level == "sequence":
+        per = lr.sum(-1, keepdim=True).expand_as(lr)
+    elif level == "geometric":
+        per = (lr.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)).expand_as(lr)
+    else:
+        raise ValueError(f"unknown level {level!r}")
+    ratio = _exp_ratio(per)
+    return valid & ((ratio < lo) | (ratio > hi))
+
+
+def masked_is(batch: PolicyBatch, *, level: Level = "token", lo: float = 0.5, hi: float = 2.0,
+              reweight: bool = True, clip_low: float = 0.2, clip_high: float = 0.2,
+              aggregation: Aggregation = "token_mean", denominator: float | None = None, kl_coef: float = 0.0,
+              kl_estimator: Literal["k1", "k3"] = "k3", trainer_version: int | None = None):
+    """Masked importance sampling / rejection: drop tokens (or whole sequences) whose behaviour ratio
+    is outside [lo, hi]; weight the rest by the ratio (`reweight`) or by 1 (pure rejection)."""
+    if not 0 <= lo <= 1 <= hi:
+        raise ValueError(f"need 0 <= lo <= 1 <= hi, got lo={lo}, hi={hi}")
+    valid, b, p = _prepare(batch, needs_proximal=True)
+    is_log_ratio = p - b
+    rejected = _rejected(is_log_ratio, valid, level, lo, hi)
+    if not reweight:
+        w = torch.ones_like(is_log_ratio)
+    elif level == "token":
+        w = _exp_ratio(is_log_ratio)
+    else:
+        w = _exp_ratio(torch.where(valid, is_log_ratio, 0.0).sum(-1, keepdim=True)
+                       / (valid.sum(-1, keepdim=True).clamp(min=1) if level == "geometric" else 1)).expand_as(b)
+    w = torch.where(rejected, 0.0, w)
+    term, clipped, _ = _ppo_term(batch.logprobs - p, batch.advantages, clip_low, clip_high)
+    return _finish(w * term, batch, valid, is_log_ratio=is_log_ratio, weights=w, clipped=clipped,
+                   truncated=None, rejected=rejected,
+                   **_common(aggregation, denominator, kl_coef, kl_estimator, trainer_version))
+
+
+def reinforce(batch: PolicyBatch, *, is_cap: float = 2.0, aggregation: Aggregation = "token_mean",
+              denominator: float | None = None, kl_coef: float = 0.0, kl_estimator: Literal["k1", "k3"] = "k3",
+              trainer_version: int | None = None):
+    """REINFORCE with a truncated IS weight from b to θ (detached): −sg(min(e^(θ−b), C))·A·θ."""
+    valid, b, _ = _prepare(batch, needs_proximal=False)
+    is_log_ratio = batch.logprobs.detach() - b
+    raw_w = _exp_ratio(is_log_ratio)
+    w = raw_w.clamp(max=is_cap)
+    per_token = -w * batch.advantages * batch.logprobs
+    return _finish(per_token, batch, valid, is_log_ratio=is_log_ratio, weights=w, clipped=None,
+                   truncated=raw_w > is_cap, rejected=None,
+                   **_common(aggregation, denominator, kl_coef, kl_estimator, trainer_version))
+
+
+def naive(batch: PolicyBatch, *, clip_low: float = 0.2, clip_high: float = 0.2,
+          aggregation: Aggregation = "token_mean", denominator: float | None = None, kl_coef: float = 0.0,
+          kl_estimator: Literal["k1", "k3"] = "k3", trainer_version: int | None = None):
+    """No off-policy correction: PPO around p as if the data were on-policy. The baseline."""
+    valid, b, p = _prepare(batch, needs_proximal=True)
+    term, clipped, _ = _ppo_term(batch.logprobs - p, batch.advantages, clip_low, clip_high)
+    return _finish(term, batch, valid, is_log_ratio=p - b, weights=torch.ones_like(term), clipped=clipped,
+                   truncated=None, rejected=None,
+                   **_common(aggregation, denominator, kl_coef, kl_estimator, trainer_version))
+
+
+LOSSES = {
+    "decoupled_ppo": decoupled_ppo,
+    "ppo_bypass": ppo_bypass,
+    "tis": tis,
+    "masked_is": masked_is,
+    "reinforce": reinforce,
+    "naive": naive,
+}
+NEEDS_PROXIMAL = {"decoupled_ppo": True, "ppo_bypass": False, "tis": True, "masked_is": True,
+                  "reinforce": False, "naive": True}

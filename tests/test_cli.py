@@ -1,0 +1,43 @@
+import json
+
+import pytest
+import ray
+
+from streamrl.buffer import QueueConfig
+from streamrl.buffer.actor import create_queue_actor
+from streamrl.cli import main
+
+
+def test_bench_lists_and_refuses_unknown_names(capsys):
+    assert main(["bench"]) == 0
+    assert "buffer" in capsys.readouterr().out
+    assert main(["bench", "nonexistent"]) == 2
+    assert "unknown benchmark 'nonexistent'" in capsys.readouterr().err
+
+
+def test_bad_verb_and_action_exit_nonzero(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["admission", "explode", "--run", "x"])
+    assert exc.value.code == 2 and "invalid choice: 'explode'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["admission", "status"])  # --run is required
+    assert "--run" in capsys.readouterr().err
+
+
+@pytest.mark.ray
+def test_admission_pause_resume_status_against_a_named_queue(capsys):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        queue = create_queue_actor("cli-run", QueueConfig(group_size=1, groups_per_step=1))
+        assert main(["admission", "pause", "--run", "cli-run"]) == 0
+        assert "admission paused" in capsys.readouterr().out
+        assert ray.get(queue.admit.remote(0, 1)).blocked_by == "paused"
+        assert main(["admission", "status", "--run", "cli-run", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["paused"] is True
+        assert main(["admission", "resume", "--run", "cli-run"]) == 0
+        assert len(ray.get(queue.admit.remote(0, 1)).tickets) == 1
+        assert main(["admission", "status", "--run", "no-such-run"]) == 2
+        assert "no running streamrl run named 'no-such-run'" in capsys.readouterr().err
+        ray.kill(queue)
+    finally:
+        ray.shutdown()

@@ -1,0 +1,204 @@
+"""Off-policy losses: float64 gradients against hand-derived formulas, on-policy reduction,
+numerical safety on extreme inputs, and metrics."""
+
+import math
+
+import pytest
+import torch
+
+from streamrl.correction import LOSSES, LossConfig, PolicyBatch, make_loss
+from streamrl.correction.losses import LOG_RATIO_CLAMP
+
+torch.manual_seed(0)
+N, T = 4, 6
+
+
+def make_batch(spread=0.3, prox_shift=0.2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    theta = (-torch.rand(N, T, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    prox = theta.detach() + spread * torch.randn(N, T, generator=g, dtype=torch.float64)
+    behavior = prox + prox_shift * torch.randn(N, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(N, T, generator=g, dtype=torch.float64)
+    mask = torch.rand(N, T, generator=g) > 0.2
+    return theta, behavior, prox, adv, mask
+
+
+def grad_of(loss_name, theta, behavior, prox, adv, mask, **kwargs):
+    theta = theta.detach().clone().requires_grad_()
+    loss, metrics = LOSSES[loss_name](PolicyBatch(theta, behavior, adv, mask, prox), **kwargs)
+    loss.backward()
+    return theta.grad, loss, metrics
+
+
+def ppo_mask(ratio, adv, eps_lo=0.2, eps_hi=0.2):
+    """Where the PPO min picks a clipped (constant) term, the gradient is zero."""
+    clipped = ratio.clamp(1 - eps_lo, 1 + eps_hi) * adv
+    return ~(clipped < ratio * adv)
+
+
+def test_decoupled_ppo_gradient():
+    theta, b, p, adv, mask = make_batch()
+    grad, _, _ = grad_of("decoupled_ppo", theta, b, p, adv, mask, is_cap=1.5)
+    r, w = torch.exp(theta.detach() - p), torch.exp(p - b).clamp(max=1.5)
+    expected = -w * r * adv * ppo_mask(r, adv) * mask / mask.sum()
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_ppo_bypass_gradient():
+    theta, b, p, adv, mask = make_batch()
+    grad, _, _ = grad_of("ppo_bypass", theta, b, None, adv, mask, clip_low=0.1, clip_high=0.3)
+    r = torch.exp(theta.detach() - b)
+    expected = -r * adv * ppo_mask(r, adv, 0.1, 0.3) * mask / mask.sum()
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_tis_gradient():
+    theta, b, p, adv, mask = make_batch()
+    grad, _, _ = grad_of("tis", theta, b, p, adv, mask, is_cap=1.2)
+    r, w = torch.exp(theta.detach() - p), torch.exp(p - b).clamp(max=1.2)
+    torch.testing.assert_close(grad, -w * r * adv * mask / mask.sum(), rtol=1e-12, atol=1e-12)
+
+
+def test_reinforce_gradient():
+    theta, b, p, adv, mask = make_batch()
+    grad, _, _ = grad_of("reinforce", theta, b, None, adv, mask, is_cap=1.3, aggregation="seq_mean_token_sum")
+    w = torch.exp(theta.detach() - b).clamp(max=1.3)
+    torch.testing.assert_close(grad, -w * adv * mask / N, rtol=1e-12, atol=1e-12)
+
+
+def test_naive_gradient_ignores_the_behaviour_policy():
+    theta, b, p, adv, mask = make_batch()
+    grad, _, _ = grad_of("naive", theta, b, p, adv, mask)
+    grad_other_b, _, _ = grad_of("naive", theta, b - 5.0, p, adv, mask)
+    r = torch.exp(theta.detach() - p)
+    torch.testing.assert_close(grad, -r * adv * ppo_mask(r, adv) * mask / mask.sum(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, grad_other_b)
+
+
+@pytest.mark.parametrize("reweight", [True, False])
+def test_masked_is_token_gradient(reweight):
+    theta, b, p, adv, mask = make_batch(prox_shift=0.8)
+    grad, _, metrics = grad_of("masked_is", theta, b, p, adv, mask, lo=0.7, hi=1.4, reweight=reweight)
+    ratio_b = torch.exp(p - b)
+    kept = mask & (ratio_b >= 0.7) & (ratio_b <= 1.4)
+    assert 0 < kept.sum() < mask.sum()  # the case really masks something
+    r = torch.exp(theta.detach() - p)
+    w = ratio_b if reweight else torch.ones_like(r)
+    torch.testing.assert_close(grad, -w * r * adv * ppo_mask(r, adv) * kept / kept.sum(), rtol=1e-12, atol=1e-12)
+    assert math.isclose(float(metrics["masked_fraction"]), 1 - float(kept.sum() / mask.sum()), rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("level", ["sequence", "geometric"])
+def test_masked_is_sequence_levels_drop_whole_sequences(level):
+    theta, b, p, adv, mask = make_batch(prox_shift=0.3)
+    lr = torch.where(mask, p - b, 0.0).sum(-1)
+    per_seq = lr if level == "sequence" else lr / mask.sum(-1)
+    lo, hi = float(torch.exp(per_seq).median()) * 0.999, 1e9  # rejects about half the sequences
+    lo = min(lo, 1.0)
+    grad, _, _ = grad_of("masked_is", theta, b, p, adv, mask, level=level, lo=lo, hi=max(hi, 1.0), reweight=False)
+    kept_seq = (torch.exp(per_seq) >= lo) & (torch.exp(per_seq) <= hi)
+    kept = mask & kept_seq[:, None]
+    assert 0 < int(kept_seq.sum()) < N
+    r = torch.exp(theta.detach() - p)
+    torch.testing.assert_close(grad, -r * adv * ppo_mask(r, adv) * kept / kept.sum(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_kl_penalty_gradient(estimator):
+    theta, b, p, adv, mask = make_batch()
+    ref = theta.detach() + 0.4 * torch.randn(N, T, dtype=torch.float64)
+    t = theta.detach().clone().requires_grad_()
+    loss, metrics = LOSSES["reinforce"](PolicyBatch(t, b, torch.zeros_like(adv), mask, None, ref),
+                                        kl_coef=0.5, kl_estimator=estimator)
+    loss.backward()
+    d = torch.ones_like(ref) if estimator == "k1" else 1 - torch.exp(ref - theta.detach())
+    torch.testing.assert_close(t.grad, 0.5 * d * mask / mask.sum(), rtol=1e-12, atol=1e-12)
+    assert "kl_ref" in metrics
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_on_policy_every_loss_is_the_standard_policy_gradient(name):
+    theta, _, _, adv, mask = make_batch()
+    same = theta.detach().clone()
+    grad, _, metrics = grad_of(name, theta, same, same, adv, mask)
+    torch.testing.assert_close(grad, -adv * mask / mask.sum(), rtol=1e-12, atol=1e-12)  # PPO = REINFORCE at r = 1
+    assert float(metrics["ratio_mean"]) == pytest.approx(1.0) and float(metrics["ess"]) == pytest.approx(1.0)
+    assert float(metrics["kl_behavior_proximal"]) == pytest.approx(0.0, abs=1e-12)
+
+
+EXTREMES = {
+    "huge ratios": lambda b, m, a: (b - 1e4, m, a),
+    "tiny ratios": lambda b, m, a: (b + 1e4, m, a),
+    "-inf behaviour": lambda b, m, a: (torch.where(torch.rand_like(b) > 0.5, -math.inf, b), m, a),
+    "nan behaviour": lambda b, m, a: (torch.where(torch.rand_like(b) > 0.5, math.nan, b), m, a),
+    "+inf behaviour": lambda b, m, a: (torch.full_like(b, math.inf), m, a),
+    "all masked": lambda b, m, a: (b, torch.zeros_like(m), a),
+    "masked rows": lambda b, m, a: (b, m & (torch.arange(N)[:, None] % 2 == 0), a),
+    "zero advantages": lambda b, m, a: (b, m, torch.zeros_like(a)),
+}
+VARIANTS = [(name, {}) for name in LOSSES] + [("masked_is", {"level": "sequence"}),
+                                              ("masked_is", {"level": "geometric"})]
+
+
+@pytest.mark.parametrize("extreme", sorted(EXTREMES))
+@pytest.mark.parametrize("name,kwargs", VARIANTS)
+def test_extreme_inputs_give_finite_loss_and_gradients(extreme, name, kwargs):
+    theta, b, p, adv, mask = make_batch()
+    b, mask, adv = EXTREMES[extreme](b, mask, adv)
+    ref = theta.detach() - 50.0
+    t = theta.detach().clone().requires_grad_()
+    loss, metrics = LOSSES[name](PolicyBatch(t, b, adv, mask, p, ref), kl_coef=0.1, **kwargs)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(t.grad).all()
+    assert all(torch.isfinite(v).all() for v in metrics.values()), metrics
+    if extreme == "all masked" or extreme == "+inf behaviour":
+        assert float(loss.detach()) == 0.0 and float(t.grad.abs().max()) == 0.0
+        assert float(metrics["masked_fraction"]) == pytest.approx(1.0 if extreme == "+inf behaviour" else 0.0)
+    if "behaviour" in extreme:
+        assert float(metrics["nonfinite_fraction"]) > 0
+
+
+def test_log_ratios_are_clamped_before_exp():
+    theta, b, p, adv, mask = make_batch()
+    _, _, metrics = grad_of("decoupled_ppo", theta, b - 1e4, p, adv, mask)
+    assert float(metrics["ratio_max"]) == pytest.approx(math.exp(LOG_RATIO_CLAMP))
+    assert float(metrics["truncated_fraction"]) == 1.0
+
+
+def test_metrics_ess_truncation_and_staleness():
+    theta, b, p, adv, mask = make_batch(prox_shift=0.6)
+    versions = torch.randint(0, 5, (N, T))
+    t = theta.detach().clone().requires_grad_()
+    _, metrics = LOSSES["decoupled_ppo"](PolicyBatch(t, b, adv, mask, p, None, versions), is_cap=1.5,
+                                         trainer_version=6)
+    w = torch.exp(p - b).clamp(max=1.5)[mask]
+    assert float(metrics["ess"]) == pytest.approx(float(w.sum() ** 2 / (w.numel() * (w ** 2).sum())), rel=1e-9)
+    assert float(metrics["truncated_fraction"]) == pytest.approx(float((torch.exp(p - b)[mask] > 1.5).float().mean()))
+    assert float(metrics["staleness_max"]) == float((6 - versions)[mask].max())
+    assert float(metrics["staleness_mean"]) == pytest.approx(float((6 - versions)[mask].float().mean()))
+    r = torch.exp(p - b)[mask]
+    assert float(metrics["kl_behavior_proximal"]) == pytest.approx(float((r - 1 - torch.log(r)).mean()), rel=1e-9)
+
+
+def test_factory_binds_the_config_and_checks_it():
+    theta, b, p, adv, mask = make_batch()
+    loss_fn = make_loss(LossConfig(name="decoupled_ppo", is_cap=1.1, clip_low=0.1))
+    assert LossConfig().name == "decoupled_ppo" and LossConfig().needs_proximal  # corrected by default
+    expected, _ = LOSSES["decoupled_ppo"](PolicyBatch(theta, b, adv, mask, p), is_cap=1.1, clip_low=0.1)
+    got, _ = loss_fn(PolicyBatch(theta, b, adv, mask, p))
+    assert float(got.detach()) == float(expected.detach())
+    with pytest.raises(ValueError, match="is_cap"):
+        LossConfig(is_cap=0.5)
+    with pytest.raises(ValueError, match="name"):
+        LossConfig(name="ppo_magic")
+    with pytest.raises(ValueError, match="needs proximal_logprobs"):
+        LOSSES["tis"](PolicyBatch(theta, b, adv, mask))
+
+
+def test_denominator_makes_micro_batches_add_up():
+    theta, b, p, adv, mask = make_batch()
+    whole, _ = LOSSES["decoupled_ppo"](PolicyBatch(theta, b, adv, mask, p))
+    total = float(mask.sum())
+    parts = sum(LOSSES["decoupled_ppo"](PolicyBatch(theta[i:i + 2], b[i:i + 2], adv[i:i + 2], mask[i:i + 2],
+                                                    p[i:i + 2]), denominator=total)[0] for i in (0, 2))
+    torch.testing.assert_close(parts, whole)
