@@ -9,9 +9,11 @@ Notation (all [N, T], aligned to response tokens): `b` behaviour log-prob (the e
 | `decoupled_ppo` | −min(e^(p−b), C) · min(r·A, clip(r, 1−ε, 1+ε_h)·A),  r = e^(θ−p)  | yes     |
 | `ppo_bypass`    | −min(r_b·A, clip(r_b, 1−ε, 1+ε_h)·A),  r_b = e^(θ−b)              | no      |
 | `tis`           | −min(e^(p−b), C) · r·A  (truncated IS, no PPO clip)                | yes     |
-| `masked_is`     | PPO term on r, tokens/sequences with e^(p−b) outside [lo, hi] masked; kept ones weighted by the ratio (or by 1 with `reweight=False`: rejection) | yes |
+| `masked_is`     | −w · PPO term on r; w = e^(p−b) (or 1: rejection), 0 outside [lo, hi] | yes     |
 | `reinforce`     | −sg(min(e^(θ−b), C)) · A · θ  (REINFORCE with truncated IS)        | no      |
 | `naive`         | −min(r·A, clip(r)·A): PPO on p, behaviour ignored (the baseline)  | yes     |
+
+`masked_is` checks the ratio per token, per sequence (product) or by geometric mean (`level`).
 
 Safety: every log-ratio is clamped to ±`LOG_RATIO_CLAMP` before `exp`; tokens whose behaviour (or
 proximal) log-prob is not finite are masked and counted; an all-masked batch gives a zero loss whose
