@@ -1,0 +1,94 @@
+"""Peak memory and time of token log-probs: chunked vs a full log_softmax + gather, side by side.
+
+    python benchmarks/correction.py --out benchmarks/results/correction.json
+
+Batch 16, length 1024, vocabulary 32,768, float32 logits on the CPU (2.1 GB of logits). Each variant
+runs in a fresh subprocess; its peak is the growth of the process's peak RSS over what it held once the
+logits existed, so the two numbers are comparable and the logits themselves are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+BATCH, LENGTH, VOCAB, CHUNK = 16, 1024, 32_768, 1024
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * resource.getpagesize() / 2**20
+
+
+def worker(variant: str, repeats: int) -> dict:
+    from streamrl.correction import token_logprobs
+
+    torch.manual_seed(0)
+    logits = torch.randn(BATCH, LENGTH, VOCAB, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (BATCH, LENGTH))
+    before = _rss_mb()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        if variant == "naive":
+            out = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+        else:
+            out = token_logprobs(logits, targets, chunk=CHUNK)
+        times.append(time.perf_counter() - t0)
+        checksum = float(out.detach().sum())
+        del out
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return {"peak_mb": peak - before, "time_s": min(times), "checksum": checksum}
+
+
+def run_variant(variant: str, repeats: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--worker", variant, "--repeats", str(repeats)],
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/correction.json"))
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--worker", choices=["naive", "chunked"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.repeats)))
+        return
+
+    naive, chunked = run_variant("naive", args.repeats), run_variant("chunked", args.repeats)
+    if abs(naive["checksum"] - chunked["checksum"]) > 1e-3 * abs(naive["checksum"]):
+        raise SystemExit(f"the two variants disagree: {naive['checksum']} vs {chunked['checksum']}")
+    results = {
+        "naive_peak_mb": naive["peak_mb"], "chunked_peak_mb": chunked["peak_mb"],
+        "naive_time_s": naive["time_s"], "chunked_time_s": chunked["time_s"],
+        "peak_ratio": chunked["peak_mb"] / naive["peak_mb"], "time_ratio": chunked["time_s"] / naive["time_s"],
+    }
+    targets = {"peak_ratio": ("<=", 0.25), "time_ratio": ("<=", 1.5)}
+    print(f"{'metric':<18}{'value':>12}  target")
+    for key, value in results.items():
+        target = targets.get(key)
+        note = f"{target[0]} {target[1]} ({'met' if value <= target[1] else 'MISSED'})" if target else ""
+        print(f"{key:<18}{value:>12.3f}  {note}")
+    report = {
+        "benchmark": "correction",
+        "workload": {"batch": BATCH, "length": LENGTH, "vocab": VOCAB, "chunk_rows": CHUNK, "dtype": "float32"},
+        **results,
+        "targets": {k: {"target": f"{op} {v}", "met": results[k] <= v} for k, (op, v) in targets.items()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
