@@ -62,6 +62,12 @@ def _prepare(batch: PolicyBatch, *, needs_proximal: bool) -> tuple[torch.Tensor,
     return valid, behavior, proximal
 
 
+def _truncated_weight(is_log_ratio: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """min(e^log_ratio, C) and where the cap bit."""
+    raw = _exp_ratio(is_log_ratio)
+    return raw.clamp(max=cap), raw > cap
+
+
 def _ppo_term(log_ratio: torch.Tensor, adv: torch.Tensor, clip_low: float,
               clip_high: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """−min(r·A, clip(r)·A) per token, whether the clip was active, and r."""
@@ -151,11 +157,10 @@ def decoupled_ppo(batch: PolicyBatch, *, clip_low: float = 0.2, clip_high: float
     """AReaL's decoupled objective: PPO trust region around p, truncated IS weight from b to p."""
     valid, b, p = _prepare(batch, needs_proximal=True)
     is_log_ratio = p - b
-    raw_w = _exp_ratio(is_log_ratio)
-    w = raw_w.clamp(max=is_cap)
+    w, truncated = _truncated_weight(is_log_ratio, is_cap)
     term, clipped, _ = _ppo_term(batch.logprobs - p, batch.advantages, clip_low, clip_high)
     return _finish(w * term, batch, valid, is_log_ratio=is_log_ratio, weights=w, clipped=clipped,
-                   truncated=raw_w > is_cap, rejected=None,
+                   truncated=truncated, rejected=None,
                    **_common(aggregation, denominator, kl_coef, kl_estimator, trainer_version))
 
 
@@ -178,11 +183,10 @@ def tis(batch: PolicyBatch, *, is_cap: float = 2.0, aggregation: Aggregation = "
     capped at C, and no trust-region clip."""
     valid, b, p = _prepare(batch, needs_proximal=True)
     is_log_ratio = p - b
-    raw_w = _exp_ratio(is_log_ratio)
-    w = raw_w.clamp(max=is_cap)
+    w, truncated = _truncated_weight(is_log_ratio, is_cap)
     per_token = -w * _exp_ratio(batch.logprobs - p) * batch.advantages
     return _finish(per_token, batch, valid, is_log_ratio=is_log_ratio, weights=w, clipped=None,
-                   truncated=raw_w > is_cap, rejected=None,
+                   truncated=truncated, rejected=None,
                    **_common(aggregation, denominator, kl_coef, kl_estimator, trainer_version))
 
 
@@ -232,11 +236,10 @@ def reinforce(batch: PolicyBatch, *, is_cap: float = 2.0, aggregation: Aggregati
     """REINFORCE with a truncated IS weight from b to θ (detached): −sg(min(e^(θ−b), C))·A·θ."""
     valid, b, _ = _prepare(batch, needs_proximal=False)
     is_log_ratio = batch.logprobs.detach() - b
-    raw_w = _exp_ratio(is_log_ratio)
-    w = raw_w.clamp(max=is_cap)
+    w, truncated = _truncated_weight(is_log_ratio, is_cap)
     per_token = -w * batch.advantages * batch.logprobs
     return _finish(per_token, batch, valid, is_log_ratio=is_log_ratio, weights=w, clipped=None,
-                   truncated=raw_w > is_cap, rejected=None,
+                   truncated=truncated, rejected=None,
                    **_common(aggregation, denominator, kl_coef, kl_estimator, trainer_version))
 
 
