@@ -1,0 +1,1 @@
+"""Built-in tasks: a prompt source and an exact, verifiable reward."""

@@ -1,0 +1,79 @@
+"""Reverse a string of digits: the built-in task a ~1M-parameter model learns by RL in minutes on a CPU.
+
+Prompt `<bos> d1 d2 d3 >`, answer `d3 d2 d1 <eos>`. The reward is the fraction of answer positions
+that are right, halved when the answer does not end with `<eos>`, so partial progress is rewarded and
+a group rarely has all-equal rewards (the failure mode of exact-match rewards at this scale).
+About a tenth of all digit strings are held out for evaluation and never used as training prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+CHARS = "0123456789+=>,"
+PAD, BOS, EOS = 0, 1, 2
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+
+
+class CharVocab:
+    """Pad, bos, eos and one token per character of `CHARS` (17 tokens)."""
+
+    def __init__(self) -> None:
+        self.tokens = [*SPECIALS, *CHARS]
+        self._ids = {ch: i for i, ch in enumerate(self.tokens)}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def encode(self, text: str) -> list[int]:
+        unknown = sorted(set(text) - set(CHARS))
+        if unknown:
+            raise ValueError(f"characters {unknown} are not in the vocabulary {CHARS!r}")
+        return [self._ids[ch] for ch in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.tokens[i] if i >= len(SPECIALS) else "" for i in ids)
+
+
+class ReverseDigits:
+    def __init__(self, digits: int = 3, seed: int = 0):
+        if not 1 <= digits <= 12:
+            raise ValueError(f"digits must be in [1, 12], got {digits}")
+        self.digits, self.seed, self.vocab = digits, seed, CharVocab()
+
+    def is_held_out(self, number: int) -> bool:
+        # A fixed multiplicative hash: the split does not depend on the seed or on how prompts are drawn.
+        return (number * 2654435761 + self.digits) % 2**32 % 10 == 0
+
+    def number(self, prompt_id: int) -> int:
+        """The training number for a prompt id: deterministic, never a held-out one."""
+        rng = np.random.default_rng([self.seed, prompt_id])
+        while True:
+            n = int(rng.integers(0, 10**self.digits))
+            if not self.is_held_out(n):
+                return n
+
+    def prompt_ids(self, number: int) -> list[int]:
+        return [BOS, *self.vocab.encode(f"{number:0{self.digits}d}>")]
+
+    def prompt(self, prompt_id: int) -> list[int]:
+        return self.prompt_ids(self.number(prompt_id))
+
+    def target(self, number: int) -> list[int]:
+        return self.vocab.encode(f"{number:0{self.digits}d}"[::-1])
+
+    def reward(self, number: int, response_ids: Sequence[int]) -> float:
+        """Fraction of answer positions right (over the longer of answer and target), halved
+        without a final `<eos>`."""
+        response = list(response_ids)
+        ended = EOS in response
+        answer = response[: response.index(EOS)] if ended else response
+        target = self.target(number)
+        right = sum(a == t for a, t in zip(answer, target))
+        score = right / max(len(target), len(answer))
+        return score if ended else score / 2
+
+    def eval_numbers(self) -> list[int]:
+        return [n for n in range(10**self.digits) if self.is_held_out(n)]
