@@ -164,9 +164,7 @@ def to_padded(table: pa.Table | pa.RecordBatch, pad_id: int = 0) -> PaddedBatch:
         return torch.from_numpy(flat.reshape(rows, width))
 
     def column(name: str, dtype) -> torch.Tensor:
-        values = table.column(name)
-        values = values.to_numpy() if isinstance(values, pa.ChunkedArray) else values.to_numpy()
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=dtype))
+        return torch.from_numpy(np.ascontiguousarray(table.column(name).to_numpy(), dtype=dtype))
 
     return PaddedBatch(
         input_ids=grid(input_ids),
