@@ -147,11 +147,10 @@ class ReplayQueue:
             return 0, "stale_weights"
         if self._queued_tokens >= cfg.capacity_tokens:
             return 0, "capacity"
-        running = len(self._running)
-        in_flight = cfg.max_in_flight - running
+        in_flight = cfg.max_in_flight - len(self._running)
         budget = admission_budget(trainer_version=self._version, max_staleness=cfg.max_staleness,
                                   groups_per_step=cfg.groups_per_step,
-                                  admitted_live=running + len(self._queued) + self.counters["consumed"])
+                                  admitted_live=self.admitted_live)
         if budget <= 0 or in_flight <= 0:
             return 0, "staleness" if budget <= 0 else "in_flight"
         return min(budget, in_flight), None
