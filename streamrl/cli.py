@@ -1,5 +1,6 @@
 """The `streamrl` command: a handful of verbs.
 
+    streamrl launch [CONFIG.toml] [--set section.key=value ...] [--name NAME] [--address ADDR] [--resume RUN_DIR]
     streamrl admission pause|resume|status --run NAME [--address ADDR] [--json]
     streamrl bench [NAME [ARGS ...]]
 """
@@ -30,6 +31,31 @@ def _connect(address: str | None) -> None:
     except ConnectionError as exc:
         raise CliError(f"cannot reach a Ray cluster at {address or 'auto'}: {exc}. "
                        "Start the run first, or pass --address HOST:PORT") from exc
+
+
+def launch(args: argparse.Namespace) -> int:
+    from streamrl.config import ConfigError
+    from streamrl.runtime.launch import launch as run_launch
+    from streamrl.runtime.launch import prepare
+    from streamrl.runtime.rundir import RunDirError
+
+    overrides = list(args.set or [])
+    if args.name is not None:
+        overrides.append(f"run.name={json.dumps(args.name)}")
+    if args.address is not None:
+        overrides.append(f"ray.address={json.dumps(args.address)}")
+    try:
+        config, run_dir, checkpoint = prepare(args.config, overrides, resume=args.resume)
+    except (ConfigError, RunDirError) as exc:
+        raise CliError(str(exc)) from exc
+    summary = run_launch(config, run_dir, checkpoint)
+    print(f"{summary['stopped_by']} at step {summary['steps']} after {summary['elapsed_s']:.0f} s: "
+          f"reward {summary['reward_first_10pct']:.3f} → {summary['reward_last_10pct']:.3f} "
+          f"(first → last 10% of steps), held-out accuracy {summary['eval_accuracy_first']:.2f} → "
+          f"{summary['eval_accuracy_last']:.2f}, staleness max {summary['staleness_max']} "
+          f"(bound {summary['max_staleness']})")
+    print(f"run directory: {run_dir.path}")
+    return 130 if summary["stopped_by"] == "interrupted" else 0
 
 
 def admission(args: argparse.Namespace) -> int:
@@ -75,6 +101,14 @@ def bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamrl", description="Fully asynchronous streaming RL for LLMs.")
     verbs = parser.add_subparsers(dest="verb", required=True)
+
+    run = verbs.add_parser("launch", help="train: producers, trainer and weight streaming on Ray")
+    run.add_argument("config", nargs="?", help="TOML config (default: the built-in CPU run)")
+    run.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one config field")
+    run.add_argument("--name", help="run name (actors RUN/..., directory output_dir/RUN)")
+    run.add_argument("--address", help="join this Ray cluster (HOST:PORT or auto) instead of starting one")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    run.set_defaults(func=launch)
 
     adm = verbs.add_parser("admission", help="pause, resume or inspect a running job's admission control")
     adm.add_argument("action", choices=["pause", "resume", "status"])

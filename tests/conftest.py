@@ -18,3 +18,13 @@ def small_config():
 @pytest.fixture
 def queue(small_config):
     return ReplayQueue(small_config)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A 2-layer, hidden-32 Qwen2 with the reverse task's character tokenizer (built, never downloaded)."""
+    from streamrl.config import ModelSection
+    from streamrl.models.tiny import build_tiny_model
+
+    section = ModelSection(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_positions=32)
+    return build_tiny_model(section, tmp_path_factory.mktemp("tiny-model"), seed=0)

@@ -39,6 +39,44 @@ def test_groups_trained_in_admission_order_respect_the_budget(rng):
     assert worst == 2 and queue.status()["over_budget"] == 0
 
 
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_producers_with_lagging_weights_never_produce_over_budget_groups(eta):
+    # Fast producers that load new weights late (w = v - lag) and race ahead; groups are stamped with
+    # the weights they held and consumed oldest first. Budgeting on the trainer's version instead of
+    # w would let such groups reach staleness eta + 1 (they would be regenerated: over_budget > 0).
+    import numpy as np
+
+    rng = np.random.default_rng(eta)
+    cfg = QueueConfig(group_size=2, groups_per_step=4, max_staleness=eta, max_in_flight=1000)
+    queue = ReplayQueue(cfg)
+    consumed = 0
+    for _step in range(60):
+        for producer in range(3):
+            held = max(0, queue.version - int(rng.integers(0, eta + 1)))
+            adm = queue.admit(producer, int(rng.integers(1, 6)), weights_version=held)
+            if adm.tickets:
+                queue.commit(synthetic_batch(adm.tickets, 2, version=held, rng=rng))
+        got = queue.get(timeout=0)
+        if got is None:  # every producer was refused (stale weights): they load the newest and go on
+            adm = queue.admit(0, cfg.groups_per_step, weights_version=queue.version)
+            queue.commit(synthetic_batch(adm.tickets, 2, version=queue.version, rng=rng))
+            got = queue.get(timeout=0)
+        assert max(got.staleness) <= eta
+        consumed += len(got.groups)
+        queue.set_version(queue.version + 1)
+    assert queue.status()["over_budget"] == 0 and consumed == 60 * cfg.groups_per_step
+
+
+def test_a_producer_behind_on_weights_gets_fewer_slots():
+    cfg = QueueConfig(group_size=1, groups_per_step=4, max_staleness=1, max_in_flight=1000)
+    queue = ReplayQueue(cfg)
+    queue.set_version(3)
+    assert queue.admit(0, 100, weights_version=2).tickets.__len__() == (2 + 1 + 1) * 4
+    lagging = queue.admit(0, 100, weights_version=2)
+    assert lagging.tickets == [] and lagging.blocked_by == "stale_weights"
+    assert len(queue.admit(1, 100, weights_version=3).tickets) == 4  # the newest weights open more
+
+
 def test_in_flight_cap_capacity_and_stale_weights(rng):
     cfg = QueueConfig(group_size=2, groups_per_step=2, max_staleness=4, max_in_flight=3, capacity_tokens=100)
     queue = ReplayQueue(cfg)

@@ -14,12 +14,12 @@ def test_vocabulary_round_trip_and_errors():
 def test_reward_is_graded_and_exact():
     task = ReverseDigits(3)
     enc = task.vocab.encode
-    assert task.reward(123, enc("321") + [EOS]) == 1.0
-    assert task.reward(123, enc("321")) == 0.5  # no end token: halved
-    assert task.reward(123, enc("301") + [EOS]) == pytest.approx(2 / 3)
-    assert task.reward(123, enc("3214") + [EOS]) == pytest.approx(3 / 4)  # extra digits cost
-    assert task.reward(123, [EOS]) == 0.0
-    assert task.reward(7, enc("700") + [EOS, 5, 5]) == 1.0  # zero-padded; tokens after eos ignored
+    assert task.score(123, enc("321") + [EOS]) == 1.0
+    assert task.score(123, enc("321")) == 0.5  # no end token: halved
+    assert task.score(123, enc("301") + [EOS]) == pytest.approx(2 / 3)
+    assert task.score(123, enc("3214") + [EOS]) == pytest.approx(3 / 4)  # extra digits cost
+    assert task.score(123, [EOS]) == 0.0
+    assert task.score(7, enc("700") + [EOS, 5, 5]) == 1.0  # zero-padded; tokens after eos ignored
 
 
 def test_held_out_numbers_never_train_and_prompts_are_deterministic():

@@ -148,11 +148,14 @@ class ReplayQueue:
         if self._queued_tokens >= cfg.capacity_tokens:
             return 0, "capacity"
         in_flight = cfg.max_in_flight - len(self._running)
-        budget = admission_budget(trainer_version=self._version, max_staleness=cfg.max_staleness,
-                                  groups_per_step=cfg.groups_per_step,
-                                  admitted_live=self.admitted_live)
-        if budget <= 0 or in_flight <= 0:
-            return 0, "staleness" if budget <= 0 else "in_flight"
+        rule = dict(trainer_version=self._version, max_staleness=cfg.max_staleness,
+                    groups_per_step=cfg.groups_per_step, admitted_live=self.admitted_live)
+        budget = admission_budget(**rule, weights_version=weights_version)
+        if budget <= 0:
+            # Newer weights would open slots that the trainer's version already allows.
+            return 0, "stale_weights" if admission_budget(**rule) > 0 else "staleness"
+        if in_flight <= 0:
+            return 0, "in_flight"
         return min(budget, in_flight), None
 
     def _issue(self, producer_id: int, count: int) -> list[Ticket]:

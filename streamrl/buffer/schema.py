@@ -164,7 +164,8 @@ def to_padded(table: pa.Table | pa.RecordBatch, pad_id: int = 0) -> PaddedBatch:
         return torch.from_numpy(flat.reshape(rows, width))
 
     def column(name: str, dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(table.column(name).to_numpy(), dtype=dtype))
+        # A copy: [N] is small, and a zero-copy view of an Arrow buffer would be read-only.
+        return torch.from_numpy(np.array(table.column(name).to_numpy(), dtype=dtype))
 
     return PaddedBatch(
         input_ids=grid(input_ids),

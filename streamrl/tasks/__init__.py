@@ -1,1 +1,54 @@
-"""Built-in tasks: a prompt source and an exact, verifiable reward."""
+"""Tasks: a prompt source and a verifiable reward, behind one small interface.
+
+Prompt ids come from the replay queue's cursor (0, 1, 2, ...); a task maps each id to prompt tokens
+deterministically, so a prompt generated again after an abandoned group is the same prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from streamrl.config import TaskSection
+
+
+class Task(Protocol):
+    name: str
+    stop_token_ids: Sequence[int]
+
+    def prompt(self, prompt_id: int) -> list[int]:
+        """Prompt tokens for a training prompt id."""
+
+    def reward(self, prompt_id: int, response_ids: Sequence[int]) -> float:
+        """Reward of one response to training prompt `prompt_id` (the tokens generated after the prompt)."""
+
+    def eval_prompts(self, limit: int | None = None) -> list[list[int]]:
+        """The held-out prompts, never used for training."""
+
+    def eval_reward(self, index: int, response_ids: Sequence[int]) -> float:
+        """Reward of a response to held-out prompt `index`; 1.0 means exactly right."""
+
+    def max_new_tokens(self) -> int:
+        """Default generation limit."""
+
+
+def make_task(section: TaskSection, tokenizer: PreTrainedTokenizerBase | None = None, *, seed: int = 0,
+              search_path: str | None = None) -> Task:
+    """The task a config names. File tasks tokenize with the model's tokenizer."""
+    if section.kind == "reverse":
+        from streamrl.tasks.reverse import ReverseDigits
+
+        return ReverseDigits(section.digits, seed=seed)
+    if section.kind == "file":
+        from streamrl.tasks.files import FileTask
+
+        if tokenizer is None:
+            raise ValueError("a file task needs the model's tokenizer")
+        return FileTask(section, tokenizer, search_path=search_path)
+    raise ValueError(f"unknown task kind {section.kind!r}")
+
+
+__all__ = ["Task", "make_task"]

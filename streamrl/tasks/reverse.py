@@ -8,6 +8,7 @@ About a tenth of all digit strings are held out for evaluation and never used as
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,6 +39,8 @@ class CharVocab:
 
 
 class ReverseDigits:
+    name = "reverse"
+
     def __init__(self, digits: int = 3, seed: int = 0):
         if not 1 <= digits <= 12:
             raise ValueError(f"digits must be in [1, 12], got {digits}")
@@ -64,7 +67,7 @@ class ReverseDigits:
     def target(self, number: int) -> list[int]:
         return self.vocab.encode(f"{number:0{self.digits}d}"[::-1])
 
-    def reward(self, number: int, response_ids: Sequence[int]) -> float:
+    def score(self, number: int, response_ids: Sequence[int]) -> float:
         """Fraction of answer positions right (over the longer of answer and target), halved
         without a final `<eos>`."""
         response = list(response_ids)
@@ -75,5 +78,24 @@ class ReverseDigits:
         score = right / max(len(target), len(answer))
         return score if ended else score / 2
 
-    def eval_numbers(self) -> list[int]:
+    @functools.cached_property
+    def _held_out(self) -> list[int]:
         return [n for n in range(10**self.digits) if self.is_held_out(n)]
+
+    def eval_numbers(self) -> list[int]:
+        return list(self._held_out)
+
+    # ---- the Task interface (streamrl.tasks.Task) ----------------------------------------------------
+    stop_token_ids = (EOS,)
+
+    def reward(self, prompt_id: int, response_ids: Sequence[int]) -> float:
+        return self.score(self.number(prompt_id), response_ids)
+
+    def eval_prompts(self, limit: int | None = None) -> list[list[int]]:
+        return [self.prompt_ids(n) for n in self.eval_numbers()[:limit]]
+
+    def eval_reward(self, index: int, response_ids: Sequence[int]) -> float:
+        return self.score(self._held_out[index], response_ids)
+
+    def max_new_tokens(self) -> int:
+        return self.digits + 2

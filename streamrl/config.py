@@ -1,0 +1,244 @@
+"""The run configuration: one typed tree, loaded from TOML, overridden with `--set section.key=value`.
+
+Every component reads its own section; cross-component constraints are checked once, here, before
+any actor starts (`RunConfig._consistent`). An error names the field, the bad value and what is
+allowed. The resolved tree is written to the run directory as `config.toml`, and a resumed run
+reads it back from there.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+import tomllib
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from streamrl.buffer.config import QueueConfig
+from streamrl.correction.config import LossConfig
+
+
+class ConfigError(ValueError):
+    """A configuration the run cannot start with; the message names the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunSection(_Section):
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    """Names the run's actors (`NAME/queue`, ...) and its directory; default: task + start time."""
+    output_dir: str = "runs"
+    """Run directories are created under this folder."""
+    seed: int = Field(0, ge=0)
+    steps: int = Field(600, ge=1)
+    """Trainer steps (optimizer updates) to take; the run also stops at `time_limit_s`."""
+    time_limit_s: float | None = Field(200.0, gt=0)
+    """Stop training after this many seconds (Ray and model start-up not counted); None: no limit."""
+    eval_every: int = Field(50, ge=0)
+    """Evaluate on the held-out split every this many steps, and at the start and end (0: start and end only)."""
+    checkpoint_every: int = Field(200, ge=0)
+    """Write a checkpoint every this many steps (0: only at the end); one is always written at the end."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Older step checkpoints are deleted once this many newer ones exist."""
+
+
+class ModelSection(_Section):
+    path: str | None = None
+    """A local Hugging Face model directory (config + safetensors + tokenizer). None: build the
+    built-in tiny model (a Qwen2 architecture) for the built-in task, in the run directory."""
+    hidden_size: int = Field(128, ge=8)
+    """Built-in model only, like the four fields below."""
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    intermediate_size: int = Field(512, ge=8)
+    max_positions: int = Field(64, ge=8)
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> ModelSection:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}")
+        return self
+
+
+class TaskSection(_Section):
+    kind: Literal["reverse", "file"] = "reverse"
+    """`reverse`: the built-in digit-reversal task. `file`: prompts from Parquet/JSONL, your reward."""
+    digits: int = Field(3, ge=1, le=12)
+    """reverse: length of the digit string."""
+    prompts: str | None = None
+    """file: Parquet (`.parquet`) or JSON-lines (`.jsonl`) file with one prompt per row."""
+    eval_prompts: str | None = None
+    """file: held-out prompts in the same format (optional)."""
+    prompt_field: str = "prompt"
+    """file: the column holding the prompt text."""
+    reward: str | None = None
+    """file: `module:function` called as `function(completion: str, row: dict) -> float`."""
+    eval_size: int = Field(256, ge=1)
+    """At most this many held-out prompts are evaluated."""
+
+
+class SamplingSection(_Section):
+    temperature: float = Field(1.0, gt=0)
+    """The trainer divides its logits by the same temperature, so behaviour and trainer log-probs agree."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling. Below 1 the behaviour log-probs are those of the truncated distribution."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """None: the task's own limit (reverse: digits + 2)."""
+
+
+class ProducerSection(_Section):
+    count: int = Field(2, ge=1)
+    """Rollout producer actors."""
+    engine: Literal["torch", "sglang"] = "torch"
+    groups_per_batch: int = Field(16, ge=1)
+    """Groups a producer admits and generates together (one sampler batch of groups × G sequences)."""
+    threads: int = Field(1, ge=1)
+    """torch threads per producer."""
+    num_cpus: float = Field(0.5, ge=0)
+    """Ray CPUs each producer reserves."""
+    weight_poll_s: float = Field(1.0, gt=0)
+    """Longest wait of one long poll for newer weights (a new version is seen as soon as it is published)."""
+
+
+class TrainerSection(_Section):
+    backend: Literal["torch", "megatron"] = "torch"
+    lr: float = Field(3e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    micro_batch_tokens: int = Field(8192, ge=1)
+    """Padded tokens per forward/backward; bounds activation memory (gradients are accumulated)."""
+    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    """grpo: (r − mean)/(std + eps) per group; drgrpo: r − mean; rloo: leave-one-out baseline."""
+    threads: int = Field(1, ge=1)
+    num_cpus: float = Field(1.0, ge=0)
+    get_timeout_s: float = Field(300.0, gt=0)
+    """The trainer gives up (and the run fails) when no batch arrives for this long."""
+
+
+class LoggingSection(_Section):
+    progress: Literal["auto", "bar", "line", "none"] = "auto"
+    """auto: a live bar on a terminal, one line every `line_every` steps otherwise."""
+    line_every: int = Field(10, ge=1)
+    wandb: bool = False
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "streamrl"
+
+
+class RaySection(_Section):
+    address: str | None = None
+    """None: start a local Ray instance for the run; `auto` or HOST:PORT: join a cluster."""
+    num_cpus: int | None = Field(None, ge=1)
+    """CPUs of the local instance (default: all)."""
+
+
+def _default_queue() -> QueueConfig:
+    return QueueConfig(group_size=8, groups_per_step=32, max_staleness=2, max_in_flight=64)
+
+
+class RunConfig(_Section):
+    run: RunSection = RunSection()
+    model: ModelSection = ModelSection()
+    task: TaskSection = TaskSection()
+    sampling: SamplingSection = SamplingSection()
+    producers: ProducerSection = ProducerSection()
+    queue: QueueConfig = Field(default_factory=_default_queue)
+    trainer: TrainerSection = TrainerSection()
+    loss: LossConfig = LossConfig()
+    logging: LoggingSection = LoggingSection()
+    ray: RaySection = RaySection()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        task, queue = self.task, self.queue
+        if task.kind == "file":
+            missing = [name for name in ("prompts", "reward") if getattr(task, name) is None]
+            if missing:
+                raise ValueError(f"task.kind = 'file' needs task.{' and task.'.join(missing)}")
+            if self.model.path is None:
+                raise ValueError("task.kind = 'file' needs model.path: the built-in model only knows the "
+                                 "reverse task's characters")
+        if queue.group_size < 2 and self.trainer.advantage != "drgrpo":
+            raise ValueError(f"queue.group_size={queue.group_size}: group advantages need at least 2 samples "
+                             "per prompt")
+        if self.trainer.backend == "megatron" or self.producers.engine == "sglang":
+            # Checked here so the run fails before any actor starts, not inside one.
+            raise ValueError("trainer.backend = 'megatron' and producers.engine = 'sglang' need the GPU backends "
+                             "(issue 7); use 'torch'")
+        return self
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+
+def _parse_value(text: str) -> Any:
+    """A `--set` value: TOML syntax when it parses (numbers, booleans, arrays, quoted strings), else a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`section.key=value` pairs applied to a nested dict (a new one is returned)."""
+    tree = json.loads(json.dumps(tree))
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        *path, leaf = key.strip().split(".")
+        node = tree
+        for part in path:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {part!r} is a value, not a section")
+            node = child
+        node[leaf] = _parse_value(value.strip())
+    return tree
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for problem in error.errors():
+        where = ".".join(str(p) for p in problem["loc"]) or "config"
+        value = problem.get("input")
+        shown = "" if isinstance(value, dict) or problem["type"] == "missing" else f" (got {value!r})"
+        lines.append(f"{where}: {problem['msg']}{shown}")
+    return "; ".join(lines)
+
+
+def config_from_dict(tree: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid config: {_describe(exc)}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """The validated config from a TOML file (None: the built-in default) plus `--set` overrides."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            tree = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    return config_from_dict(apply_overrides(tree, overrides or []))
+
+
+def _without_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, tuple | list):
+        return [_without_none(v) for v in value]
+    return value
+
+
+def dump_config(config: RunConfig) -> str:
+    """TOML that `load_config` reads back to an equal config (TOML has no null: unset fields are left out)."""
+    return tomli_w.dumps(_without_none(config.model_dump(mode="json")))

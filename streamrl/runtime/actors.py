@@ -1,0 +1,221 @@
+"""Ray actor shells for one run: weights, producers and the trainer (the queue's is in `streamrl.buffer.actor`).
+
+```
+ driver ──step()──► TrainerActor ──get(B)──► QueueActor ◄──admit / commit── ProducerActor ×N
+                        │ train, version + 1                                      ▲  (generation never waits)
+                        └──publish(v, arrays)──► WeightsActor ──acquire (long poll)┘
+```
+Each actor holds a plain class that carries the logic (and is tested without Ray); these shells
+only connect them. Every actor is named `RUN/ROLE` in namespace `streamrl`, so the CLI and a
+restarted driver can find them. Weights cross the object store as numpy arrays.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+from streamrl.buffer.actor import NAMESPACE, fetch_table, get_queue_actor
+from streamrl.buffer.queue import Admission, QueueClosed
+from streamrl.config import RunConfig
+from streamrl.weights.registry import WeightRegistry
+
+
+def actor_name(run_name: str, role: str) -> str:
+    return f"{run_name}/{role}"
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+class WeightsActor:
+    def __init__(self) -> None:
+        self.registry = WeightRegistry()
+
+    def publish(self, version: int, arrays: dict[str, np.ndarray]) -> None:
+        # Put by this actor, so the weights outlive the trainer that sent them.
+        self.registry.publish(version, ray.put(arrays))
+
+    def acquire(self, holder: int, have: int | None, timeout: float = 0.0) -> tuple[int, list] | None:
+        got = self.registry.acquire(holder, have, timeout)
+        return None if got is None else (got[0], [got[1]])  # in a list: the caller receives the reference
+
+    def drop_holder(self, holder: int) -> None:
+        self.registry.drop_holder(holder)
+
+    def status(self) -> dict[str, Any]:
+        return self.registry.status()
+
+
+class RemoteQueue:
+    """`streamrl.rollout.QueueClient` over the queue actor."""
+
+    def __init__(self, handle: ray.actor.ActorHandle):
+        self.handle = handle
+
+    def admit(self, producer_id: int, max_groups: int, *, weights_version: int | None = None,
+              timeout: float = 0.0) -> Admission:
+        return ray.get(self.handle.admit.remote(producer_id, max_groups, weights_version, timeout))
+
+    def commit(self, batch: pa.RecordBatch) -> list[int]:
+        return ray.get(self.handle.commit.remote(batch))
+
+    def abandon(self, ticket_ids: list[int]) -> None:
+        ray.get(self.handle.abandon.remote(ticket_ids))
+
+
+def remote_fetch(weights: ray.actor.ActorHandle, holder: int):
+    def fetch(have: int | None, timeout: float) -> tuple[int, dict[str, np.ndarray]] | None:
+        got = ray.get(weights.acquire.remote(holder, have, timeout))
+        if got is None:
+            return None
+        version, (ref,) = got
+        return version, ray.get(ref)  # read-only views of the object store, copied into the model
+    return fetch
+
+
+class ProducerActor:
+    def __init__(self, run_name: str, producer_id: int, config: dict[str, Any], model_dir: str, seed: int,
+                 search_path: str | None = None):
+        import torch
+
+        from streamrl.engine.sampler import TorchSampler
+        from streamrl.models.hf import load_policy
+        from streamrl.rollout.producer import RolloutProducer
+        from streamrl.tasks import make_task
+        from streamrl.weights.receiver import WeightReceiver
+
+        _quiet_transformers()
+        cfg = RunConfig.model_validate(config)
+        torch.set_num_threads(cfg.producers.threads)
+        model, tokenizer = load_policy(model_dir)
+        task = make_task(cfg.task, tokenizer, seed=cfg.run.seed, search_path=search_path)
+        self.weights = ray.get_actor(actor_name(run_name, "weights"), namespace=NAMESPACE)
+        self.receiver = WeightReceiver(remote_fetch(self.weights, producer_id), poll_s=cfg.producers.weight_poll_s)
+        sampler = TorchSampler(model, pad_id=tokenizer.pad_token_id or 0, stop_ids=task.stop_token_ids,
+                               max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens(),
+                               temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, seed=seed)
+        self.producer = RolloutProducer(producer_id, queue=RemoteQueue(get_queue_actor(run_name)),
+                                        receiver=self.receiver, sampler=sampler, task=task,
+                                        group_size=cfg.queue.group_size,
+                                        groups_per_batch=cfg.producers.groups_per_batch)
+        self._stop = threading.Event()
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def run(self) -> dict[str, Any]:
+        """Generate until `stop()` or until the queue closes; returns the producer's statistics."""
+        self.receiver.start()
+        try:
+            if not self.receiver.wait_newer(None, timeout=120):
+                raise TimeoutError("no weights were published within 120 s")
+            while not self._stop.is_set():
+                self.producer.run_once(timeout=0.5)
+        except QueueClosed:
+            pass  # the run is ending: the queue closed while this producer waited for a slot
+        finally:
+            self.receiver.stop()
+            self.weights.drop_holder.remote(self.producer.producer_id)
+        return self.status()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def status(self) -> dict[str, Any]:
+        return {"producer_id": self.producer.producer_id, **self.producer.stats, **self.receiver.status(),
+                "blocked_by": self.producer.last_blocked_by}
+
+    def weight_history(self) -> list[tuple[float, int]]:
+        return list(self.receiver.history)
+
+
+class TrainerActor:
+    def __init__(self, run_name: str, config: dict[str, Any], model_dir: str, resume_dir: str | None = None,
+                 search_path: str | None = None):
+        import torch
+
+        from streamrl.tasks import make_task
+        from streamrl.trainer.torch_trainer import TorchTrainer
+
+        _quiet_transformers()
+        cfg = self.config = RunConfig.model_validate(config)
+        torch.set_num_threads(cfg.trainer.threads)
+        self.trainer = TorchTrainer(model_dir, trainer=cfg.trainer, loss=cfg.loss, group_size=cfg.queue.group_size,
+                                    temperature=cfg.sampling.temperature, seed=cfg.run.seed)
+        if resume_dir is not None:
+            self.trainer.load_optimizer(resume_dir)
+        self.task = make_task(cfg.task, self.trainer.tokenizer, seed=cfg.run.seed, search_path=search_path)
+        self.max_new_tokens = cfg.sampling.max_new_tokens or self.task.max_new_tokens()
+        self.queue = get_queue_actor(run_name)
+        self.weights = ray.get_actor(actor_name(run_name, "weights"), namespace=NAMESPACE)
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    def publish(self) -> int:
+        """Hand the current weights to the weights actor and return at once (no producer is waited for)."""
+        from streamrl.models.hf import state_arrays
+
+        self.weights.publish.remote(self.trainer.version, state_arrays(self.trainer.model))
+        return self.trainer.version
+
+    def step(self) -> dict[str, Any]:
+        """Take B groups within the staleness budget, train on them, publish the new version."""
+        started = time.perf_counter()
+        groups = ray.get(self.queue.get.remote(None, self.config.trainer.get_timeout_s))
+        if groups is None:
+            raise TimeoutError(f"no batch of {self.config.queue.groups_per_step} groups arrived within "
+                               f"{self.config.trainer.get_timeout_s} s (are producers running, or admission paused?)")
+        if groups.version != self.trainer.version:
+            raise RuntimeError(f"the queue is at version {groups.version}, the trainer at {self.trainer.version}")
+        waited = time.perf_counter() - started
+        table = fetch_table(groups)
+        metrics = {f"token_{k}" if k.startswith("staleness") else k: v
+                   for k, v in self.trainer.train(table).items()}
+        self.publish()
+        ray.get(self.queue.set_version.remote(self.trainer.version))
+        rewards = table.column("reward").to_numpy()
+        return {
+            **metrics,
+            "version": self.trainer.version,
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "staleness_mean": float(np.mean(groups.staleness)),
+            "staleness_max": int(max(groups.staleness)),
+            "trainer_wait_s": waited,
+            "step_s": time.perf_counter() - started,
+            "group_ids": [g.group_id for g in groups.groups],
+            "prompt_ids": [g.prompt_id for g in groups.groups],
+            "producer_ids": [g.producer_id for g in groups.groups],
+        }
+
+    def evaluate(self, limit: int | None = None) -> dict[str, float]:
+        return self.trainer.evaluate(self.task, limit=limit or self.config.task.eval_size,
+                                     max_new_tokens=self.max_new_tokens)
+
+    def checkpoint(self, directory: str) -> None:
+        self.trainer.save(Path(directory))
+
+
+def create_actor(cls: type, run_name: str, role: str, *args, num_cpus: float = 0, max_concurrency: int = 1,
+                 **kwargs) -> ray.actor.ActorHandle:
+    """A named actor of the run (fails if one with that name is alive: another run has the name)."""
+    remote_cls = ray.remote(num_cpus=num_cpus, max_concurrency=max_concurrency)(cls)
+    return remote_cls.options(name=actor_name(run_name, role), namespace=NAMESPACE,
+                              lifetime="non_detached").remote(*args, **kwargs)

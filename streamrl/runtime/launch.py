@@ -1,0 +1,347 @@
+"""`streamrl launch`: start the actors of a run, drive the trainer step by step, stop cleanly.
+
+```
+ validate config ─► run directory ─► Ray (local instance or cluster) ─► actors:
+    RUN/queue (restored on --resume) · RUN/weights · RUN/trainer · RUN/producer-i (run free)
+ loop: trainer.step() ─► metrics.jsonl, groups.jsonl, progress ─► eval / checkpoint every N steps
+ stop (steps done, time limit, Ctrl-C): pause admission ─► producers stop ─► restore admission
+    ─► final eval ─► checkpoint ─► summary.json ─► actors killed, local Ray shut down
+```
+The driver is the only place that knows the whole run; everything it does between steps sees a
+consistent state (the trainer is idle), which is what makes its checkpoints exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from streamrl.buffer.actor import NAMESPACE, create_queue_actor
+from streamrl.config import ConfigError, RunConfig
+from streamrl.runtime.actors import ProducerActor, TrainerActor, WeightsActor, create_actor
+from streamrl.runtime.progress import ProgressView
+from streamrl.runtime.rundir import RunDir, RunDirError
+from streamrl.runtime.summary import summarize
+
+# Fields a resumed run may not change: they define the data already generated and the model trained.
+FROZEN_ON_RESUME = ("model", "task", "queue.group_size", "queue.groups_per_step", "trainer.backend")
+METRICS_FILE, GROUPS_FILE, EVAL_FILE = "metrics.jsonl", "groups.jsonl", "eval.jsonl"
+
+
+def _section(config: RunConfig, dotted: str) -> Any:
+    value: Any = config
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def check_resume_overrides(saved: RunConfig, wanted: RunConfig) -> None:
+    for field in FROZEN_ON_RESUME:
+        if _section(saved, field) != _section(wanted, field):
+            raise ConfigError(f"{field} cannot change when resuming (the run was started with "
+                              f"{_section(saved, field)!r})")
+
+
+def _model_facts(model_dir: Path) -> dict[str, Any]:
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"model.path {str(model_dir)!r} is not a Hugging Face model directory (no config.json)")
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def check_model_and_task(config: RunConfig, model_dir: Path) -> int:
+    """Cross-checks that need the model's files; returns its vocabulary size."""
+    facts = _model_facts(model_dir)
+    vocab = int(facts.get("vocab_size", 0))
+    if config.task.kind == "reverse" and config.model.path is not None:
+        from transformers import AutoTokenizer
+
+        from streamrl.tasks.reverse import CharVocab
+
+        ids = AutoTokenizer.from_pretrained(model_dir).get_vocab()
+        expected = {tok: i for i, tok in enumerate(CharVocab().tokens)}
+        if any(ids.get(tok) != i for tok, i in expected.items()):
+            raise ConfigError("task.kind = 'reverse' needs the character tokenizer streamrl builds "
+                              f"(model.path {str(model_dir)!r} maps its characters to other ids)")
+    positions = facts.get("max_position_embeddings")
+    if config.task.kind == "reverse" and positions is not None:
+        longest = 2 * config.task.digits + 2 + (config.sampling.max_new_tokens or config.task.digits + 2)
+        if longest > positions:
+            raise ConfigError(f"task.digits={config.task.digits}: sequences of {longest} tokens exceed the model's "
+                              f"max_position_embeddings={positions}")
+    return vocab
+
+
+def check_resources(config: RunConfig) -> None:
+    wanted = config.trainer.num_cpus + config.producers.count * config.producers.num_cpus
+    have = ray.cluster_resources().get("CPU", 0)
+    if wanted > have:
+        raise ConfigError(f"the run reserves {wanted:g} CPUs (trainer.num_cpus + producers.count × "
+                          f"producers.num_cpus) but the Ray cluster has {have:g}")
+
+
+def connect_ray(config: RunConfig) -> bool:
+    """Join the configured cluster or start a local instance; True when this call started Ray."""
+    if ray.is_initialized():
+        return False
+    if config.ray.address:
+        ray.init(address=config.ray.address, namespace=NAMESPACE, logging_level="WARNING")
+    else:
+        ray.init(num_cpus=config.ray.num_cpus, include_dashboard=False, namespace=NAMESPACE,
+                 logging_level="WARNING")
+    return True
+
+
+def producer_seed(base: int, producer_id: int, start_version: int) -> int:
+    digest = hashlib.sha256(f"{base}/{producer_id}/{start_version}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+class Run:
+    def __init__(self, config: RunConfig, run_dir: RunDir, *, resume_from: Path | None = None):
+        self.config, self.run_dir, self.resume_from = config, run_dir, resume_from
+        self.name = config.run.name
+        self.meta = json.loads((resume_from / "meta.json").read_text()) if resume_from else {}
+        self.start_step = self.meta.get("step", 0)
+        self.elapsed_before = self.meta.get("elapsed_s", 0.0)
+        self.step = self.start_step
+        self.stopped_by: str | None = None
+        self.actors: list[ray.actor.ActorHandle] = []
+        self.producers: list[ray.actor.ActorHandle] = []
+        self.producer_runs: list[ray.ObjectRef] = []
+        self.last_checkpoint_step: int | None = self.start_step if resume_from else None
+        self.trained_tokens = self.meta.get("trained_tokens", 0)
+        self.producer_stats: list[dict[str, Any]] = []
+        self.weight_histories: list[list[tuple[float, int]]] = []
+        self._wandb = None
+        if self.start_step >= config.run.steps:
+            raise ConfigError(f"the run is already at step {self.start_step} and run.steps = {config.run.steps}; "
+                              f"continue it with --set run.steps=N (N > {self.start_step})")
+
+    # ---- start -------------------------------------------------------------------------------------------
+    def _model_dir(self) -> Path:
+        if self.config.model.path is not None:
+            return Path(self.config.model.path).expanduser().resolve()
+        if self.resume_from is None and not self.run_dir.initial_model.exists():
+            from streamrl.models.tiny import build_tiny_model
+
+            build_tiny_model(self.config.model, self.run_dir.initial_model, seed=self.config.run.seed)
+        return self.run_dir.initial_model
+
+    def start(self) -> None:
+        cfg = self.config
+        model_dir = self._model_dir()
+        vocab = check_model_and_task(cfg, model_dir)
+        check_resources(cfg)
+        queue_cfg = cfg.queue.model_copy(update={"vocab_size": vocab})
+        search_path = os.getcwd()
+        restore = str(self.resume_from / "queue") if self.resume_from else None
+        self.queue = create_queue_actor(self.name, queue_cfg, restore_from=restore)
+        self.weights = create_actor(WeightsActor, self.name, "weights", max_concurrency=cfg.producers.count + 4)
+        self.actors += [self.queue, self.weights]
+        trainer_model = self.resume_from / "trainer" / "model" if self.resume_from else model_dir
+        trainer_resume = str(self.resume_from / "trainer") if self.resume_from else None
+        config_dict = cfg.model_dump(mode="json")
+        self.trainer = create_actor(TrainerActor, self.name, "trainer", self.name, config_dict, str(trainer_model),
+                                    trainer_resume, search_path, num_cpus=cfg.trainer.num_cpus)
+        self.actors.append(self.trainer)
+        for pid in range(cfg.producers.count):
+            seed = producer_seed(cfg.run.seed, pid, self.start_step)
+            producer = create_actor(ProducerActor, self.name, f"producer-{pid}", self.name, pid, config_dict,
+                                    str(model_dir), seed, search_path, num_cpus=cfg.producers.num_cpus,
+                                    max_concurrency=3)
+            self.producers.append(producer)
+        self.actors += self.producers
+        ray.get([a.ready.remote() for a in [self.trainer, *self.producers]], timeout=300)
+        version = ray.get(self.trainer.publish.remote())
+        if version != self.start_step:
+            raise RunDirError(f"the checkpoint's trainer is at version {version}, its metadata says step "
+                              f"{self.start_step}")
+        queue_version = ray.get(self.queue.status.remote())["version"]
+        if queue_version != version:
+            raise RunDirError(f"the checkpoint's queue is at version {queue_version}, its trainer at {version}")
+        self.producer_runs = [p.run.remote() for p in self.producers]
+        if cfg.logging.wandb:
+            import wandb
+
+            self._wandb = wandb.init(project=cfg.logging.wandb_project, name=self.name, dir=str(self.run_dir.path),
+                                     mode=cfg.logging.wandb_mode, config=config_dict, resume="allow")
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+    def _await(self, ref: ray.ObjectRef) -> Any:
+        """Wait for a trainer call, failing fast if a producer died meanwhile."""
+        while True:
+            ready, _ = ray.wait([ref], timeout=0.5)
+            if ready:
+                return ray.get(ref)
+            done, _ = ray.wait(self.producer_runs, num_returns=len(self.producer_runs), timeout=0)
+            for finished in done:
+                ray.get(finished)  # raises the producer's error
+                raise RuntimeError("a producer stopped while the run was training")
+
+    def _evaluate(self, started: float) -> dict[str, Any]:
+        result = {"step": self.step, "elapsed_s": self._elapsed(started), **self._await(self.trainer.evaluate.remote())}
+        self.run_dir.append(EVAL_FILE, result)
+        return result
+
+    def _elapsed(self, started: float) -> float:
+        return self.elapsed_before + time.perf_counter() - started
+
+    def train(self, view: ProgressView) -> None:
+        cfg = self.config.run
+        started = time.perf_counter()
+        self._started = started
+        if self.start_step == 0:
+            first = self._evaluate(started)
+            view.print(f"step {self.step}: held-out accuracy {first.get('eval_accuracy', float('nan')):.2f}")
+        self._last_end = time.perf_counter()
+        while self.step < cfg.steps:
+            if cfg.time_limit_s is not None and time.perf_counter() - started >= cfg.time_limit_s:
+                self.stopped_by = "time_limit"
+                return
+            self._pending = self.trainer.step.remote()
+            result = self._await(self._pending)
+            self._pending = None
+            now = time.perf_counter()
+            self._record(result, step_wall=now - self._last_end, started=started)
+            self._last_end = now
+            view.step(self.last_metrics)
+            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+                ev = self._evaluate(started)
+                view.print(f"step {self.step}: held-out accuracy {ev.get('eval_accuracy', float('nan')):.2f}, "
+                           f"reward {ev.get('eval_reward', float('nan')):.3f}")
+            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
+                self.checkpoint(started)
+        self.stopped_by = "steps"
+
+    def _record(self, result: dict[str, Any], *, step_wall: float, started: float) -> None:
+        self.step = result["version"]
+        self.trained_tokens += result["trained_tokens"]
+        queue = ray.get(self.queue.status.remote())
+        audit = {k: result.pop(k) for k in ("group_ids", "prompt_ids", "producer_ids")}
+        metrics = {
+            "step": self.step,
+            "version": result.pop("version"),
+            "reward_mean": result.pop("reward_mean"),
+            "staleness_mean": result.pop("staleness_mean"),
+            "staleness_max": result.pop("staleness_max"),
+            "trained_tokens": self.trained_tokens,
+            "tokens_per_s": result["trained_tokens"] / max(step_wall, 1e-9),
+            "trainer_wait_s": result.pop("trainer_wait_s"),
+            "elapsed_s": self._elapsed(started),
+            **result,
+            "queued_groups": queue["queued_groups"],
+            "running_groups": queue["running"],
+            "admitted": queue["admitted"],
+            "over_budget": queue["over_budget"],
+        }
+        self.last_metrics = metrics
+        self.run_dir.append(METRICS_FILE, metrics)
+        self.run_dir.append(GROUPS_FILE, {"step": self.step, "staleness_max": metrics["staleness_max"], **audit})
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=self.step)
+
+    # ---- checkpoints and the end -------------------------------------------------------------------------
+    def checkpoint(self, started: float) -> Path | None:
+        if self.last_checkpoint_step == self.step:
+            return None
+
+        def write(tmp: Path) -> None:
+            ray.get(self.trainer.checkpoint.remote(str(tmp / "trainer")))
+            ray.get(self.queue.checkpoint.remote(str(tmp / "queue")))
+
+        meta = {"step": self.step, "version": self.step, "elapsed_s": self._elapsed(started),
+                "trained_tokens": self.trained_tokens, "written_at": time.time()}
+        path = self.run_dir.write_checkpoint(self.step, write, meta, keep=self.config.run.keep_checkpoints)
+        self.last_checkpoint_step = self.step
+        return path
+
+    def stop_producers(self, timeout: float = 60.0) -> None:
+        """Pause admission, let the running generations finish and commit, stop the producers."""
+        if not self.producers:
+            return
+        was_paused = ray.get(self.queue.pause.remote())
+        for producer in self.producers:
+            producer.stop.remote()
+        ray.get(self.producer_runs, timeout=timeout)
+        self.producer_stats = ray.get([p.status.remote() for p in self.producers])
+        self.weight_histories = ray.get([p.weight_history.remote() for p in self.producers])
+        ray.get(self.queue.resume.remote(was_paused))  # the checkpoint keeps the operator's setting
+
+    def finish(self, view: ProgressView) -> dict[str, Any]:
+        view.close()
+        pending = getattr(self, "_pending", None)
+        if pending is not None:  # interrupted mid-step: the trainer finishes it; record it so nothing is lost
+            result = ray.get(pending)
+            self._record(result, step_wall=time.perf_counter() - self._last_end, started=self._started)
+        self.stop_producers()
+        final_eval = self._evaluate(self._started)
+        self.checkpoint(self._started)
+        summary = summarize(self.run_dir, self.config, stopped_by=self.stopped_by, final_eval=final_eval,
+                            producers=self.producer_stats, weight_histories=self.weight_histories,
+                            queue=ray.get(self.queue.status.remote()))
+        self.run_dir.write_json("summary.json", summary)
+        return summary
+
+    def teardown(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors.clear()
+
+
+def prepare(config_path: str | None = None, overrides: list[str] | None = None, *,
+            resume: str | None = None) -> tuple[RunConfig, RunDir, Path | None]:
+    """Validate everything that can be checked before Ray starts, and create or open the run directory."""
+    overrides = list(overrides or [])
+    if resume is not None:
+        if config_path is not None:
+            raise ConfigError("--resume reads the run's own config.toml; drop the CONFIG argument "
+                              "(use --set to change what may change)")
+        run_dir = RunDir.open(resume)
+        saved = run_dir.config()
+        config = run_dir.config(overrides)
+        check_resume_overrides(saved, config)
+        checkpoint = run_dir.latest_checkpoint()
+        step = json.loads((checkpoint / "meta.json").read_text())["step"]
+        for name in (METRICS_FILE, GROUPS_FILE, EVAL_FILE):
+            run_dir.truncate_after(name, step)
+        return config, run_dir, checkpoint
+    from streamrl.config import load_config
+
+    config = load_config(config_path, overrides)
+    if config.run.name is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        named = config.run.model_copy(update={"name": f"{config.task.kind}-{stamp}"})
+        config = config.model_copy(update={"run": named})
+    run_dir = RunDir.create(Path(config.run.output_dir) / config.run.name, config)
+    return config, run_dir, None
+
+
+def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None) -> dict[str, Any]:
+    """Run to completion (or Ctrl-C) and return the summary; Ray is left as it was found."""
+    run = Run(config, run_dir, resume_from=resume_from)
+    started_ray = connect_ray(config)
+    view = ProgressView(config.logging.progress, config.run.steps, run.start_step, config.logging.line_every)
+    view.print(f"streamrl run {config.run.name!r} → {run_dir.path}")
+    try:
+        run.start()
+        try:
+            run.train(view)
+        except KeyboardInterrupt:
+            run.stopped_by = "interrupted"
+            view.print("interrupted: stopping producers and writing a checkpoint (Ctrl-C again to abort)")
+        return run.finish(view)
+    finally:
+        view.close()
+        try:
+            run.teardown()
+        finally:
+            if started_ray:
+                ray.shutdown()

@@ -1,0 +1,114 @@
+"""The run directory: what a run writes, and where a resumed run finds it.
+
+```
+ RUN_DIR/
+   config.toml        the resolved configuration (a resumed run reads it back)
+   metrics.jsonl      one line per trainer step
+   groups.jsonl       the groups each step consumed (ids, prompts, producers): the audit trail
+   eval.jsonl         held-out evaluations
+   summary.json       written at the end
+   model/initial/     the built-in model, when no model.path is given
+   checkpoints/step_000200/{trainer/, queue/, meta.json}   and `checkpoints/latest` naming the newest
+```
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from streamrl.buffer.checkpoint import atomic_directory
+from streamrl.config import RunConfig, dump_config, load_config
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be created or resumed; the message says why."""
+
+
+class RunDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    # ---- files ---------------------------------------------------------------------------------------
+    @property
+    def config_file(self) -> Path:
+        return self.path / "config.toml"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def initial_model(self) -> Path:
+        return self.path / "model" / "initial"
+
+    @classmethod
+    def create(cls, path: str | Path, config: RunConfig) -> RunDir:
+        run = cls(path)
+        if run.path.exists():
+            raise RunDirError(f"run directory {str(run.path)!r} already exists: pick another run.name, "
+                              f"or continue it with --resume {run.path}")
+        run.path.mkdir(parents=True)
+        run.config_file.write_text(dump_config(config))
+        return run
+
+    @classmethod
+    def open(cls, path: str | Path) -> RunDir:
+        run = cls(path)
+        if not run.config_file.is_file():
+            raise RunDirError(f"{str(run.path)!r} is not a streamrl run directory (no config.toml)")
+        return run
+
+    def config(self, overrides: list[str] | None = None) -> RunConfig:
+        return load_config(self.config_file, overrides)
+
+    def append(self, name: str, record: dict[str, Any]) -> None:
+        with open(self.path / name, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read(self, name: str) -> list[dict[str, Any]]:
+        path = self.path / name
+        if not path.is_file():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def truncate_after(self, name: str, step: int) -> None:
+        """Drop lines of steps after `step` (written after the checkpoint a run resumes from)."""
+        kept = [r for r in self.read(name) if r.get("step", 0) <= step]
+        (self.path / name).write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def write_json(self, name: str, value: Any) -> None:
+        tmp = self.path / f".{name}.tmp"
+        tmp.write_text(json.dumps(value, indent=2) + "\n")
+        tmp.replace(self.path / name)
+
+    # ---- checkpoints -----------------------------------------------------------------------------------
+    def step_dir(self, step: int) -> Path:
+        return self.checkpoints / f"step_{step:06d}"
+
+    def write_checkpoint(self, step: int, write, meta: dict[str, Any], keep: int) -> Path:
+        """`write(tmp_dir)` fills a temporary directory that then replaces `step_N` in one rename;
+        `latest` is updated last, so a crash mid-checkpoint leaves the previous one in force."""
+        def fill(tmp: Path) -> None:
+            write(tmp)
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+        self.checkpoints.mkdir(exist_ok=True)
+        target = atomic_directory(self.step_dir(step), fill)
+        latest_tmp = self.checkpoints / ".latest.tmp"
+        latest_tmp.write_text(target.name + "\n")
+        latest_tmp.replace(self.checkpoints / "latest")
+        for old in sorted(self.checkpoints.glob("step_*"))[:-keep]:
+            shutil.rmtree(old)
+        return target
+
+    def latest_checkpoint(self) -> Path:
+        pointer = self.checkpoints / "latest"
+        if not pointer.is_file():
+            raise RunDirError(f"{str(self.path)!r} has no checkpoint to resume from")
+        target = self.checkpoints / pointer.read_text().strip()
+        if not (target / "meta.json").is_file():
+            raise RunDirError(f"checkpoint {str(target)!r} is incomplete (no meta.json)")
+        return target

@@ -1,0 +1,80 @@
+"""`summary.json`: what a finished run learned, how fast, and whether the staleness bound held."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from streamrl.config import RunConfig
+from streamrl.runtime.rundir import RunDir
+
+
+def held_versions_differ(histories: list[list[tuple[float, int]]]) -> int:
+    """How many weight loads left two producers holding different versions at the same moment.
+
+    Each history is (wall time, version) per load, in order. After every load, anywhere in the run,
+    the versions all producers hold at that instant are compared; a barrier would make them equal.
+    """
+    if len(histories) < 2:
+        return 0
+    events = sorted((t, i, v) for i, history in enumerate(histories) for t, v in history)
+    held: dict[int, int] = {}
+    differing = 0
+    for _, producer, version in events:
+        held[producer] = version
+        if len(held) == len(histories) and len(set(held.values())) > 1:
+            differing += 1
+    return differing
+
+
+def _fraction_mean(values: np.ndarray, first: bool) -> float | None:
+    if len(values) == 0:
+        return None
+    n = max(1, len(values) // 10)
+    return float(values[:n].mean() if first else values[-n:].mean())
+
+
+def summarize(run_dir: RunDir, config: RunConfig, *, stopped_by: str | None, final_eval: dict[str, Any],
+              producers: list[dict[str, Any]], weight_histories: list[list[tuple[float, int]]],
+              queue: dict[str, Any]) -> dict[str, Any]:
+    metrics = run_dir.read("metrics.jsonl")
+    evals = run_dir.read("eval.jsonl")
+    rewards = np.array([m["reward_mean"] for m in metrics])
+    first_reward, last_reward = _fraction_mean(rewards, True), _fraction_mean(rewards, False)
+    first_eval = evals[0] if evals else {}
+    eta = config.queue.max_staleness
+    staleness_max = max((m["staleness_max"] for m in metrics), default=0)
+    gain = None if first_reward is None else last_reward - first_reward
+    accuracy_first, accuracy_last = first_eval.get("eval_accuracy"), final_eval.get("eval_accuracy")
+    return {
+        "name": config.run.name,
+        "run_dir": str(run_dir.path),
+        "stopped_by": stopped_by,
+        "steps": metrics[-1]["step"] if metrics else 0,
+        "elapsed_s": metrics[-1]["elapsed_s"] if metrics else 0.0,
+        "schedule": "synchronous" if eta == 0 else "asynchronous",
+        "max_staleness": eta,
+        "staleness_max": staleness_max,
+        "staleness_bound_held": staleness_max <= eta,
+        "staleness_mean": float(np.mean([m["staleness_mean"] for m in metrics])) if metrics else 0.0,
+        "reward_first_10pct": first_reward,
+        "reward_last_10pct": last_reward,
+        "reward_gain": gain,
+        "eval_accuracy_first": accuracy_first,
+        "eval_accuracy_last": accuracy_last,
+        "eval_reward_first": first_eval.get("eval_reward"),
+        "eval_reward_last": final_eval.get("eval_reward"),
+        "learned": {
+            "eval_accuracy_from_le_0.2_to_ge_0.8": accuracy_first is not None and accuracy_last is not None
+            and accuracy_first <= 0.2 and accuracy_last >= 0.8,
+            "reward_gain_ge_0.3": gain is not None and gain >= 0.3,
+        },
+        "trained_tokens": metrics[-1]["trained_tokens"] if metrics else 0,
+        "tokens_per_s_mean": float(np.mean([m["tokens_per_s"] for m in metrics if np.isfinite(m["tokens_per_s"])]))
+        if metrics else 0.0,
+        "trainer_wait_s_total": float(sum(m["trainer_wait_s"] for m in metrics)),
+        "queue": queue,
+        "producers": producers,
+        "weight_loads_with_producers_on_different_versions": held_versions_differ(weight_histories),
+    }

@@ -1,0 +1,65 @@
+import pytest
+
+from streamrl.config import ConfigError, RunConfig, apply_overrides, config_from_dict, dump_config, load_config
+
+
+def test_default_config_is_the_builtin_cpu_run():
+    config = load_config()
+    assert config.task.kind == "reverse" and config.model.path is None
+    assert config.trainer.backend == "torch" and config.producers.engine == "torch"
+    assert config.loss.name == "decoupled_ppo"
+
+
+def test_overrides_are_typed_and_nested():
+    config = load_config(overrides=["queue.max_staleness=0", "trainer.lr=1e-3", "run.name=abc",
+                                    "trainer.betas=[0.8, 0.9]", "logging.wandb=true", "run.time_limit_s=12.5"])
+    assert config.queue.max_staleness == 0 and config.trainer.lr == 1e-3 and config.run.name == "abc"
+    assert config.trainer.betas == (0.8, 0.9) and config.logging.wandb is True and config.run.time_limit_s == 12.5
+
+
+def test_toml_file_plus_overrides_and_round_trip(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[queue]\ngroup_size = 4\ngroups_per_step = 8\n[run]\nsteps = 7\n')
+    config = load_config(path, ["run.steps=9"])
+    assert config.queue.group_size == 4 and config.run.steps == 9
+    again = tmp_path / "again.toml"
+    again.write_text(dump_config(config))
+    assert load_config(again) == config
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["queue.max_staleness=-1"], r"queue\.max_staleness: Input should be greater than or equal to 0 \(got -1\)"),
+    (["trainer.lr=fast"], r"trainer\.lr: .*valid number.*\(got 'fast'\)"),
+    (["trainer.lrr=0.1"], r"trainer\.lrr: Extra inputs are not permitted"),
+    (["loss.name=ppo"], r"loss\.name: Input should be 'decoupled_ppo', 'ppo_bypass'"),
+    (["task.kind=file"], r"task.kind = 'file' needs task\.prompts and task\.reward"),
+    (["queue.group_size=1"], r"group advantages need at least 2 samples"),
+    (["trainer.backend=megatron"], r"need the GPU backends"),
+    (["model.hidden_size=130"], r"hidden_size=130 is not divisible by num_heads=4"),
+    (["run.name=bad name!"], r"run\.name: String should match pattern"),
+    (["queue.max_staleness=0", "queue.max_in_flight=2"], r"a synchronous step could never be filled"),
+])
+def test_bad_values_name_the_field_and_the_value(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+
+
+@pytest.mark.parametrize("item", ["novalue", "=3", "run.steps.x=3"])
+def test_malformed_overrides_are_rejected(item):
+    with pytest.raises(ConfigError):
+        load_config(overrides=[item])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\nsteps = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_apply_overrides_does_not_mutate_its_input():
+    tree = {"run": {"steps": 3}}
+    assert apply_overrides(tree, ["run.steps=4"]) == {"run": {"steps": 4}} and tree == {"run": {"steps": 3}}
+    assert config_from_dict({}) == RunConfig()

@@ -1,0 +1,98 @@
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from streamrl.models.hf import load_policy, load_state_arrays, state_arrays
+from streamrl.weights import WeightReceiver, WeightRegistry
+
+
+def test_old_versions_are_released_once_no_holder_uses_them():
+    reg = WeightRegistry()
+    reg.publish(0, "w0")
+    assert reg.acquire(holder=0) == (0, "w0") and reg.acquire(holder=1) == (0, "w0")
+    reg.publish(1, "w1")
+    reg.publish(2, "w2")
+    assert reg.status()["stored"] == [0, 2]  # 1 was never held; 0 is still held by both
+    assert reg.acquire(0, have=0) == (2, "w2")
+    assert reg.status()["stored"] == [0, 2]  # holder 1 still has 0
+    assert reg.acquire(1, have=0) == (2, "w2")
+    assert reg.status()["stored"] == [2] and reg.released == [1, 0]
+    assert reg.acquire(1, have=2) is None  # nothing newer
+
+
+def test_a_holder_that_leaves_releases_its_version():
+    reg = WeightRegistry()
+    reg.publish(0, "w0")
+    reg.acquire(7)
+    reg.publish(1, "w1")
+    assert reg.status()["stored"] == [0, 1]
+    reg.drop_holder(7)
+    assert reg.status()["stored"] == [1]
+
+
+def test_publishing_an_old_version_is_refused():
+    reg = WeightRegistry()
+    reg.publish(3, "w3")
+    with pytest.raises(ValueError, match="not newer"):
+        reg.publish(3, "again")
+    assert reg.latest == 3
+
+
+def test_long_poll_returns_as_soon_as_a_version_is_published():
+    reg = WeightRegistry()
+    reg.publish(0, "w0")
+    threading.Timer(0.2, reg.publish, args=(1, "w1")).start()
+    started = time.perf_counter()
+    assert reg.acquire(0, have=0, timeout=5.0) == (1, "w1")
+    assert time.perf_counter() - started < 2.0
+    assert reg.acquire(0, have=1, timeout=0.05) is None
+
+
+def test_receiver_stages_in_the_background_and_loads_at_apply(tiny_model_dir):
+    trainer_model, _ = load_policy(tiny_model_dir)
+    producer_model, _ = load_policy(tiny_model_dir)
+    reg = WeightRegistry()
+    reg.publish(0, state_arrays(trainer_model))
+    receiver = WeightReceiver(lambda have, timeout: reg.acquire(0, have, timeout), poll_s=0.05)
+    receiver.start()
+    try:
+        assert receiver.wait_newer(None, timeout=5)
+        assert receiver.apply(producer_model) == 0
+        with torch.no_grad():
+            for p in trainer_model.parameters():
+                p.mul_(1.5)
+        reg.publish(1, state_arrays(trainer_model))
+        assert receiver.wait_newer(0, timeout=5)
+        assert receiver.version == 0  # staged, not loaded until the next decode-step boundary
+        assert receiver.apply(producer_model) == 1
+    finally:
+        receiver.stop()
+    for a, b in zip(trainer_model.state_dict().values(), producer_model.state_dict().values()):
+        torch.testing.assert_close(a, b)
+    assert [v for _, v in receiver.history] == [0, 1]
+
+
+def test_receiver_reraises_a_failed_fetch():
+    def broken(have, timeout):
+        raise ConnectionError("weights actor gone")
+
+    receiver = WeightReceiver(broken, poll_s=0.01)
+    receiver.start()
+    receiver.wait_newer(None, timeout=2)
+    receiver.stop()
+    with pytest.raises(RuntimeError, match="fetching weights failed"):
+        receiver.apply(torch.nn.Linear(1, 1))
+
+
+def test_state_arrays_hold_tied_weights_once_and_reject_mismatches(tiny_model_dir):
+    model, _ = load_policy(tiny_model_dir)
+    arrays = state_arrays(model)
+    assert "lm_head.weight" not in arrays and "model.embed_tokens.weight" in arrays
+    bad = dict(arrays, **{"model.norm.weight": np.zeros(3, np.float32)})
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        load_state_arrays(model, bad)
+    with pytest.raises(KeyError, match="not_a_weight"):
+        load_state_arrays(model, {"not_a_weight": np.zeros(1, np.float32)})
