@@ -9,11 +9,11 @@ reads it back from there.
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from streamrl.buffer.config import QueueConfig
