@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,8 @@ def launch(args: argparse.Namespace) -> int:
         config, run_dir, checkpoint = prepare(args.config, overrides, resume=args.resume)
     except (ConfigError, RunDirError) as exc:
         raise CliError(str(exc)) from exc
+    # SIGTERM (a scheduler, `kill`) stops the run like Ctrl-C: producers stop and a checkpoint is written.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     summary = run_launch(config, run_dir, checkpoint)
     print(f"{summary['stopped_by']} at step {summary['steps']} after {summary['elapsed_s']:.0f} s: "
           f"reward {summary['reward_first_10pct']:.3f} → {summary['reward_last_10pct']:.3f} "

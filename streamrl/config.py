@@ -36,7 +36,7 @@ class RunSection(_Section):
     seed: int = Field(0, ge=0)
     steps: int = Field(600, ge=1)
     """Trainer steps (optimizer updates) to take; the run also stops at `time_limit_s`."""
-    time_limit_s: float | None = Field(200.0, gt=0)
+    time_limit_s: float | None = Field(210.0, gt=0)
     """Stop training after this many seconds (Ray and model start-up not counted); None: no limit."""
     eval_every: int = Field(50, ge=0)
     """Evaluate on the held-out split every this many steps, and at the start and end (0: start and end only)."""
@@ -50,11 +50,11 @@ class ModelSection(_Section):
     path: str | None = None
     """A local Hugging Face model directory (config + safetensors + tokenizer). None: build the
     built-in tiny model (a Qwen2 architecture) for the built-in task, in the run directory."""
-    hidden_size: int = Field(128, ge=8)
+    hidden_size: int = Field(64, ge=8)
     """Built-in model only, like the four fields below."""
-    num_layers: int = Field(4, ge=1)
+    num_layers: int = Field(2, ge=1)
     num_heads: int = Field(4, ge=1)
-    intermediate_size: int = Field(512, ge=8)
+    intermediate_size: int = Field(256, ge=8)
     max_positions: int = Field(64, ge=8)
 
     @model_validator(mode="after")
@@ -106,7 +106,7 @@ class ProducerSection(_Section):
 
 class TrainerSection(_Section):
     backend: Literal["torch", "megatron"] = "torch"
-    lr: float = Field(3e-4, gt=0)
+    lr: float = Field(1e-3, gt=0)
     betas: tuple[float, float] = (0.9, 0.99)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
@@ -175,7 +175,10 @@ class RunConfig(_Section):
 # ---- loading ---------------------------------------------------------------------------------------
 
 def _parse_value(text: str) -> Any:
-    """A `--set` value: TOML syntax when it parses (numbers, booleans, arrays, quoted strings), else a bare string."""
+    """A `--set` value: TOML syntax when it parses (numbers, booleans, arrays, quoted strings), `null` for
+    an unset optional field (TOML has no null), else a bare string."""
+    if text == "null":
+        return None
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:

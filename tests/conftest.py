@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+import ray
 
 from streamrl.buffer import QueueConfig, ReplayQueue
 
@@ -28,3 +29,11 @@ def tiny_model_dir(tmp_path_factory):
 
     section = ModelSection(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_positions=32)
     return build_tiny_model(section, tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray instance for every Ray test (starting one costs ~7 s on two cores)."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    yield
+    ray.shutdown()

@@ -12,9 +12,10 @@ def test_default_config_is_the_builtin_cpu_run():
 
 def test_overrides_are_typed_and_nested():
     config = load_config(overrides=["queue.max_staleness=0", "trainer.lr=1e-3", "run.name=abc",
-                                    "trainer.betas=[0.8, 0.9]", "logging.wandb=true", "run.time_limit_s=12.5"])
+                                    "trainer.betas=[0.8, 0.9]", "logging.wandb=true", "run.time_limit_s=12.5", "ray.num_cpus=null"])
     assert config.queue.max_staleness == 0 and config.trainer.lr == 1e-3 and config.run.name == "abc"
     assert config.trainer.betas == (0.8, 0.9) and config.logging.wandb is True and config.run.time_limit_s == 12.5
+    assert config.ray.num_cpus is None and load_config(overrides=["run.time_limit_s=null"]).run.time_limit_s is None
 
 
 def test_toml_file_plus_overrides_and_round_trip(tmp_path):

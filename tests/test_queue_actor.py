@@ -13,13 +13,6 @@ from streamrl.buffer.actor import create_queue_actor, fetch_table, get_queue_act
 pytestmark = pytest.mark.ray
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
-    yield
-    ray.shutdown()
-
-
 def make_producer_class():
     # Defined in a function so that Ray ships the class by value (workers cannot import tests/).
     @ray.remote(num_cpus=0)

@@ -160,9 +160,14 @@ class TrainerActor:
         self.max_new_tokens = cfg.sampling.max_new_tokens or self.task.max_new_tokens()
         self.queue = get_queue_actor(run_name)
         self.weights = ray.get_actor(actor_name(run_name, "weights"), namespace=NAMESPACE)
+        self._cancel = threading.Event()
 
     def ready(self) -> int:
         return os.getpid()
+
+    def cancel_step(self) -> None:
+        """Make a step that is still waiting for groups return None (a step already training finishes)."""
+        self._cancel.set()
 
     @property
     def version(self) -> int:
@@ -175,13 +180,21 @@ class TrainerActor:
         self.weights.publish.remote(self.trainer.version, state_arrays(self.trainer.model))
         return self.trainer.version
 
-    def step(self) -> dict[str, Any]:
-        """Take B groups within the staleness budget, train on them, publish the new version."""
+    def step(self) -> dict[str, Any] | None:
+        """Take B groups within the staleness budget, train on them, publish the new version.
+        None when `cancel_step` was called before any group was taken."""
         started = time.perf_counter()
-        groups = ray.get(self.queue.get.remote(None, self.config.trainer.get_timeout_s))
-        if groups is None:
-            raise TimeoutError(f"no batch of {self.config.queue.groups_per_step} groups arrived within "
-                               f"{self.config.trainer.get_timeout_s} s (are producers running, or admission paused?)")
+        self._cancel.clear()
+        deadline = started + self.config.trainer.get_timeout_s
+        groups = None
+        while groups is None:  # short waits, so a cancel is seen while admission is paused
+            if self._cancel.is_set():
+                return None
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"no batch of {self.config.queue.groups_per_step} groups arrived within "
+                                   f"{self.config.trainer.get_timeout_s} s (are producers running, or is "
+                                   "admission paused?)")
+            groups = ray.get(self.queue.get.remote(None, 0.5))
         if groups.version != self.trainer.version:
             raise RuntimeError(f"the queue is at version {groups.version}, the trainer at {self.trainer.version}")
         waited = time.perf_counter() - started

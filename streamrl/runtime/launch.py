@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,7 @@ class Run:
         self.producer_stats: list[dict[str, Any]] = []
         self.weight_histories: list[list[tuple[float, int]]] = []
         self._wandb = None
+        self._pending: ray.ObjectRef | None = None
         if self.start_step >= config.run.steps:
             raise ConfigError(f"the run is already at step {self.start_step} and run.steps = {config.run.steps}; "
                               f"continue it with --set run.steps=N (N > {self.start_step})")
@@ -148,7 +150,7 @@ class Run:
         trainer_resume = str(self.resume_from / "trainer") if self.resume_from else None
         config_dict = cfg.model_dump(mode="json")
         self.trainer = create_actor(TrainerActor, self.name, "trainer", self.name, config_dict, str(trainer_model),
-                                    trainer_resume, search_path, num_cpus=cfg.trainer.num_cpus)
+                                    trainer_resume, search_path, num_cpus=cfg.trainer.num_cpus, max_concurrency=2)
         self.actors.append(self.trainer)
         for pid in range(cfg.producers.count):
             seed = producer_seed(cfg.run.seed, pid, self.start_step)
@@ -192,7 +194,7 @@ class Run:
     def _elapsed(self, started: float) -> float:
         return self.elapsed_before + time.perf_counter() - started
 
-    def train(self, view: ProgressView) -> None:
+    def train(self, view: ProgressView, stop: threading.Event) -> None:
         cfg = self.config.run
         started = time.perf_counter()
         self._started = started
@@ -204,9 +206,14 @@ class Run:
             if cfg.time_limit_s is not None and time.perf_counter() - started >= cfg.time_limit_s:
                 self.stopped_by = "time_limit"
                 return
+            if stop.is_set():
+                self.stopped_by = "stopped"
+                return
             self._pending = self.trainer.step.remote()
             result = self._await(self._pending)
             self._pending = None
+            if result is None:
+                raise RuntimeError("the trainer's step was cancelled while the run was training")
             now = time.perf_counter()
             self._record(result, step_wall=now - self._last_end, started=started)
             self._last_end = now
@@ -275,10 +282,12 @@ class Run:
 
     def finish(self, view: ProgressView) -> dict[str, Any]:
         view.close()
-        pending = getattr(self, "_pending", None)
-        if pending is not None:  # interrupted mid-step: the trainer finishes it; record it so nothing is lost
+        pending, self._pending = self._pending, None
+        if pending is not None:  # interrupted mid-step: a step already training finishes and is recorded
+            self.trainer.cancel_step.remote()
             result = ray.get(pending)
-            self._record(result, step_wall=time.perf_counter() - self._last_end, started=self._started)
+            if result is not None:
+                self._record(result, step_wall=time.perf_counter() - self._last_end, started=self._started)
         self.stop_producers()
         final_eval = self._evaluate(self._started)
         self.checkpoint(self._started)
@@ -324,8 +333,9 @@ def prepare(config_path: str | None = None, overrides: list[str] | None = None, 
     return config, run_dir, None
 
 
-def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None) -> dict[str, Any]:
-    """Run to completion (or Ctrl-C) and return the summary; Ray is left as it was found."""
+def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
+           stop: threading.Event | None = None) -> dict[str, Any]:
+    """Run to completion, Ctrl-C, or until `stop` is set, and return the summary; Ray is left as it was found."""
     run = Run(config, run_dir, resume_from=resume_from)
     started_ray = connect_ray(config)
     view = ProgressView(config.logging.progress, config.run.steps, run.start_step, config.logging.line_every)
@@ -333,7 +343,7 @@ def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None) 
     try:
         run.start()
         try:
-            run.train(view)
+            run.train(view, stop or threading.Event())
         except KeyboardInterrupt:
             run.stopped_by = "interrupted"
             view.print("interrupted: stopping producers and writing a checkpoint (Ctrl-C again to abort)")

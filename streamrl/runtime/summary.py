@@ -10,22 +10,22 @@ from streamrl.config import RunConfig
 from streamrl.runtime.rundir import RunDir
 
 
-def held_versions_differ(histories: list[list[tuple[float, int]]]) -> int:
-    """How many weight loads left two producers holding different versions at the same moment.
-
-    Each history is (wall time, version) per load, in order. After every load, anywhere in the run,
-    the versions all producers hold at that instant are compared; a barrier would make them equal.
-    """
+def held_versions_differ(histories: list[list[tuple[float, int]]]) -> tuple[int, int]:
+    """(weight loads after which producers held different versions, the largest spread of versions held
+    at one moment). Each history is (wall time, version) per load, in order. A barrier that moved every
+    producer to each new version together would keep the spread at most 1 (between two loads of
+    the same version); producers that pick up weights on their own schedules drift further apart."""
     if len(histories) < 2:
-        return 0
+        return 0, 0
     events = sorted((t, i, v) for i, history in enumerate(histories) for t, v in history)
     held: dict[int, int] = {}
-    differing = 0
+    differing = spread = 0
     for _, producer, version in events:
         held[producer] = version
-        if len(held) == len(histories) and len(set(held.values())) > 1:
-            differing += 1
-    return differing
+        if len(held) == len(histories):
+            differing += len(set(held.values())) > 1
+            spread = max(spread, max(held.values()) - min(held.values()))
+    return differing, spread
 
 
 def _fraction_mean(values: np.ndarray, first: bool) -> float | None:
@@ -76,5 +76,6 @@ def summarize(run_dir: RunDir, config: RunConfig, *, stopped_by: str | None, fin
         "trainer_wait_s_total": float(sum(m["trainer_wait_s"] for m in metrics)),
         "queue": queue,
         "producers": producers,
-        "weight_loads_with_producers_on_different_versions": held_versions_differ(weight_histories),
+        **dict(zip(("weight_loads_with_producers_on_different_versions", "producer_version_spread_max"),
+                   held_versions_differ(weight_histories))),
     }

@@ -1,0 +1,204 @@
+"""End to end: `streamrl launch` on Ray with tiny settings (a 2-layer model, 2-digit reversal)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import ray
+
+from streamrl.buffer import load_queue
+from streamrl.cli import main
+from streamrl.config import ConfigError
+from streamrl.runtime.launch import launch, prepare
+from streamrl.runtime.rundir import RunDir
+from streamrl.runtime.summary import held_versions_differ
+
+pytestmark = pytest.mark.ray
+
+TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.intermediate_size=64",
+        "task.digits=2", "queue.group_size=4", "queue.groups_per_step=4", "queue.max_in_flight=8",
+        "producers.groups_per_batch=2", "run.eval_every=3", "run.checkpoint_every=3", "task.eval_size=16",
+        "logging.progress=none", "run.time_limit_s=null"]
+
+
+def tiny(tmp_path, name, *extra):
+    return [*TINY, f"run.output_dir={json.dumps(str(tmp_path))}", f"run.name={name}", *extra]
+
+
+def run_tiny(tmp_path, name, *extra, stop=None):
+    config, run_dir, checkpoint = prepare(None, tiny(tmp_path, name, *extra))
+    return launch(config, run_dir, checkpoint, stop=stop), run_dir
+
+
+@pytest.fixture(scope="module")
+def finished(ray_local, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("runs")
+    summary, run_dir = run_tiny(tmp, "e2e", "run.steps=8", "queue.max_staleness=2", "producers.count=2")
+    return summary, run_dir
+
+
+def test_a_launch_writes_the_run_directory(finished):
+    summary, run_dir = finished
+    metrics = run_dir.read("metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    required = {"step", "version", "reward_mean", "staleness_mean", "staleness_max", "trained_tokens", "tokens_per_s",
+                "trainer_wait_s", "elapsed_s"}
+    assert all(required <= set(m) for m in metrics)
+    assert all(m["staleness_max"] <= 2 for m in metrics)
+    assert [e["step"] for e in run_dir.read("eval.jsonl")] == [0, 3, 6, 8]
+    assert run_dir.config() == RunDir.open(run_dir.path).config()  # config.toml reads back
+    assert sorted(p.name for p in run_dir.checkpoints.iterdir()) == ["latest", "step_000006", "step_000008"]
+    assert (run_dir.checkpoints / "latest").read_text().strip() == "step_000008"
+    assert summary["stopped_by"] == "steps" and summary["steps"] == 8 and summary["staleness_bound_held"]
+    on_disk = json.loads((run_dir.path / "summary.json").read_text())
+    assert on_disk["steps"] == 8 and set(on_disk["learned"]) and len(on_disk["producers"]) == 2
+    groups = run_dir.read("groups.jsonl")
+    prompts = [p for g in groups for p in g["prompt_ids"]]
+    assert len(prompts) == len(set(prompts)) == 8 * 4  # every consumed group is a different prompt
+
+
+def test_the_run_left_no_actor_behind(finished):
+    summary, _ = finished
+    for role in ("queue", "weights", "trainer", "producer-0", "producer-1"):
+        with pytest.raises(ValueError):
+            ray.get_actor(f"e2e/{role}", namespace="streamrl")
+
+
+def test_two_producers_hold_different_versions_at_the_same_moment(finished):
+    summary, run_dir = finished
+    # A weight load after which the producers held different versions: no barrier lined them up.
+    assert summary["weight_loads_with_producers_on_different_versions"] > 0
+    # And the trainer trained on groups whose weights were older than its own: it never waited for them.
+    assert any(m["staleness_max"] > 0 for m in run_dir.read("metrics.jsonl"))
+
+
+def test_held_versions_differ_counts_moments_of_disagreement():
+    lockstep = [[(1.0, 0), (2.0, 1)], [(1.0, 0), (2.0, 1)]]
+    assert held_versions_differ(lockstep) == (1, 1)  # the instant between the two loads at t=2.0
+    drifting = [[(1.0, 0), (2.0, 1), (3.0, 2)], [(1.5, 0), (3.5, 2)]]
+    assert held_versions_differ(drifting) == (2, 2)  # at t=3.0 one holds 2, the other still 0
+    assert held_versions_differ([[(1.0, 0)]]) == (0, 0)
+
+
+def test_synchronous_schedule_runs_through_the_same_code_path(ray_local, tmp_path):
+    summary, run_dir = run_tiny(tmp_path, "sync", "run.steps=4", "queue.max_staleness=0", "producers.count=2")
+    metrics = run_dir.read("metrics.jsonl")
+    assert [m["staleness_max"] for m in metrics] == [0, 0, 0, 0]
+    assert summary["schedule"] == "synchronous" and summary["queue"]["over_budget"] == 0
+
+
+def test_resume_continues_without_losing_or_repeating_a_group(ray_local, tmp_path):
+    first, run_dir = run_tiny(tmp_path, "resumable", "run.steps=4", "queue.max_staleness=2", "producers.count=1")
+    saved = load_queue(run_dir.latest_checkpoint() / "queue")
+    queued_at_checkpoint = {g.group_id for g in saved.queued_groups()}
+    assert queued_at_checkpoint  # the producer ran ahead: there is queued data to carry over
+
+    config, opened, checkpoint = prepare(None, ["run.steps=8", "logging.progress=none"], resume=str(run_dir.path))
+    second = launch(config, opened, checkpoint)
+    metrics = run_dir.read("metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 9)) and second["steps"] == 8
+    groups = run_dir.read("groups.jsonl")
+    ids = [g for record in groups for g in record["group_ids"]]
+    prompts = [p for record in groups for p in record["prompt_ids"]]
+    assert len(ids) == len(set(ids)) == 32 and len(prompts) == len(set(prompts))
+    resumed_ids = {g for record in groups if record["step"] > 4 for g in record["group_ids"]}
+    assert queued_at_checkpoint <= resumed_ids  # the restored groups were trained, not regenerated
+    final = load_queue(run_dir.latest_checkpoint() / "queue")
+    accounted = set(prompts) | {g.prompt_id for g in final.queued_groups()} | set(final.returned_prompts())
+    assert accounted == set(range(final.status()["prompt_cursor"]))  # every prompt handed out is somewhere
+
+
+def test_admission_pause_stops_admitted_and_resume_restarts_it(ray_local, tmp_path, capsys):
+    stop = threading.Event()
+    outcome = {}
+
+    def target():
+        outcome["summary"], _ = run_tiny(tmp_path, "paused", "run.steps=100000", "producers.count=1", stop=stop)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    try:
+        def admitted():
+            capsys.readouterr()
+            code = main(["admission", "status", "--run", "paused", "--json"])
+            out = capsys.readouterr().out
+            return json.loads(out)["admitted"] if code == 0 else None  # 2: the run's queue is not up yet
+
+        deadline = time.time() + 120
+        while not admitted():
+            assert time.time() < deadline and thread.is_alive(), "the run never started admitting"
+            time.sleep(0.5)
+        assert main(["admission", "pause", "--run", "paused"]) == 0
+        time.sleep(1.5)  # running groups finish and are queued
+        before = admitted()
+        time.sleep(2.0)
+        assert admitted() == before
+        assert main(["admission", "resume", "--run", "paused"]) == 0
+        time.sleep(2.0)
+        assert admitted() > before
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+    assert outcome["summary"]["stopped_by"] == "stopped" and not outcome["summary"]["queue"]["paused"]
+
+
+def test_ctrl_c_stops_cleanly_with_a_checkpoint(ray_local, tmp_path):
+    address = ray.get_runtime_context().gcs_address
+    command = [sys.executable, "-m", "streamrl.cli", "launch", "--address", address,
+               *[arg for item in tiny(tmp_path, "interrupted", "run.steps=100000") for arg in ("--set", item)]]
+    proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "interrupted" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else ""
+        time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does to the foreground process group
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output
+    run_dir = RunDir.open(tmp_path / "interrupted")
+    summary = json.loads((run_dir.path / "summary.json").read_text())
+    assert summary["stopped_by"] == "interrupted"
+    assert run_dir.latest_checkpoint().name == f"step_{summary['steps']:06d}"
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # nothing of the launcher's process group is left
+    for role in ("queue", "trainer", "producer-0"):
+        with pytest.raises(ValueError):
+            ray.get_actor(f"interrupted/{role}", namespace="streamrl")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["launch", "--set", "trainer.lrr=1"], "trainer.lrr: Extra inputs are not permitted"),
+    (["launch", "--set", "queue.max_staleness=-2"], "queue.max_staleness: Input should be greater than or equal to 0"),
+    (["launch", "--set", "oops"], "expected section.key=value"),
+    (["launch", "missing.toml"], "config file 'missing.toml' does not exist"),
+    (["launch", "--resume", "/nonexistent/run"], "is not a streamrl run directory"),
+])
+def test_bad_config_and_cli_input_give_clear_errors(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("streamrl: error:")
+    assert not (tmp_path / "runs").exists()  # nothing was created
+
+
+def test_an_existing_run_directory_is_not_overwritten(tmp_path):
+    prepare(None, tiny(tmp_path, "taken"))
+    with pytest.raises(Exception, match="already exists.*--resume"):
+        prepare(None, tiny(tmp_path, "taken"))
+
+
+def test_resume_refuses_to_change_what_defines_the_data(tmp_path):
+    _, run_dir, _ = prepare(None, tiny(tmp_path, "frozen"))
+    with pytest.raises(ConfigError, match="queue.group_size cannot change"):
+        prepare(None, ["queue.group_size=8"], resume=str(run_dir.path))
+
+
+def test_unknown_cli_verbs_and_flags_exit_with_usage():
+    with pytest.raises(SystemExit) as exc:
+        main(["launch", "--bogus"])
+    assert exc.value.code == 2
