@@ -64,3 +64,15 @@ def test_apply_overrides_does_not_mutate_its_input():
     tree = {"run": {"steps": 3}}
     assert apply_overrides(tree, ["run.steps=4"]) == {"run": {"steps": 4}} and tree == {"run": {"steps": 3}}
     assert config_from_dict({}) == RunConfig()
+
+
+LAUNCH = __import__("pathlib").Path(__file__).resolve().parent.parent / "launch"
+
+
+@pytest.mark.parametrize("name", ["default", "sync", "cpu-large", "cluster", "file-task"])
+def test_example_configs_load(name):
+    config = load_config(LAUNCH / f"{name}.toml")
+    if name == "default":
+        assert config == RunConfig()
+    if name == "sync":
+        assert config.queue.max_staleness == 0

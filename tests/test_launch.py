@@ -38,7 +38,8 @@ def run_tiny(tmp_path, name, *extra, stop=None):
 @pytest.fixture(scope="module")
 def finished(ray_local, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs")
-    summary, run_dir = run_tiny(tmp, "e2e", "run.steps=8", "queue.max_staleness=2", "producers.count=2")
+    summary, run_dir = run_tiny(tmp, "e2e", "run.steps=8", "queue.max_staleness=2", "producers.count=2",
+                                "logging.wandb=true")
     return summary, run_dir
 
 
@@ -60,6 +61,7 @@ def test_a_launch_writes_the_run_directory(finished):
     groups = run_dir.read("groups.jsonl")
     prompts = [p for g in groups for p in g["prompt_ids"]]
     assert len(prompts) == len(set(prompts)) == 8 * 4  # every consumed group is a different prompt
+    assert list((run_dir.path / "wandb").glob("offline-run-*"))  # wandb logged offline, no account needed
 
 
 def test_the_run_left_no_actor_behind(finished):

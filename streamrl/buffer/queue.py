@@ -210,6 +210,7 @@ class ReplayQueue:
                 for span in spans:
                     self._enqueue(span, payload, now)
                 self.counters["committed"] += len(spans)
+                self._handle_over_budget()  # a straggler that arrives already too old goes back at once
                 self._cond.notify_all()
                 return [span.group_id for span in spans]
         except BatchError:

@@ -32,7 +32,7 @@ def actor_name(run_name: str, role: str) -> str:
     return f"{run_name}/{role}"
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -96,7 +96,7 @@ class ProducerActor:
         from streamrl.tasks import make_task
         from streamrl.weights.receiver import WeightReceiver
 
-        _quiet_transformers()
+        quiet_transformers()
         cfg = RunConfig.model_validate(config)
         torch.set_num_threads(cfg.producers.threads)
         model, tokenizer = load_policy(model_dir)
@@ -149,7 +149,7 @@ class TrainerActor:
         from streamrl.tasks import make_task
         from streamrl.trainer.torch_trainer import TorchTrainer
 
-        _quiet_transformers()
+        quiet_transformers()
         cfg = self.config = RunConfig.model_validate(config)
         torch.set_num_threads(cfg.trainer.threads)
         self.trainer = TorchTrainer(model_dir, trainer=cfg.trainer, loss=cfg.loss, group_size=cfg.queue.group_size,

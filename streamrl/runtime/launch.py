@@ -131,7 +131,9 @@ class Run:
             return Path(self.config.model.path).expanduser().resolve()
         if self.resume_from is None and not self.run_dir.initial_model.exists():
             from streamrl.models.tiny import build_tiny_model
+            from streamrl.runtime.actors import quiet_transformers
 
+            quiet_transformers()
             build_tiny_model(self.config.model, self.run_dir.initial_model, seed=self.config.run.seed)
         return self.run_dir.initial_model
 
@@ -299,7 +301,11 @@ class Run:
 
     def teardown(self) -> None:
         if self._wandb is not None:
+            import wandb
+
             self._wandb.finish()
+            wandb.teardown()  # stop the wandb-core service this run started
+            self._wandb = None
         for actor in self.actors:
             ray.kill(actor)
         self.actors.clear()

@@ -29,8 +29,10 @@ class ProgressView:
             self._bar.start()
 
     def print(self, text: str) -> None:
-        if self.mode != "none":
+        if self.mode == "bar":
             self.console.print(text, highlight=False)
+        elif self.mode == "line":
+            print(text, flush=True)  # plain lines: a log file or pipe should not be wrapped at 80 columns
 
     def step(self, metrics: dict[str, Any]) -> None:
         if self._bar is not None:
