@@ -51,7 +51,10 @@ def launch(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from exc
     # SIGTERM (a scheduler, `kill`) stops the run like Ctrl-C: producers stop and a checkpoint is written.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    summary = run_launch(config, run_dir, checkpoint)
+    try:
+        summary = run_launch(config, run_dir, checkpoint)
+    except (ConfigError, RunDirError) as exc:  # found once Ray is up (e.g. too few CPUs)
+        raise CliError(str(exc)) from exc
     print(f"{summary['stopped_by']} at step {summary['steps']} after {summary['elapsed_s']:.0f} s: "
           f"reward {summary['reward_first_10pct']:.3f} → {summary['reward_last_10pct']:.3f} "
           f"(first → last 10% of steps), held-out accuracy {summary['eval_accuracy_first']:.2f} → "

@@ -204,3 +204,48 @@ def test_unknown_cli_verbs_and_flags_exit_with_usage():
     with pytest.raises(SystemExit) as exc:
         main(["launch", "--bogus"])
     assert exc.value.code == 2
+
+
+def test_a_run_that_needs_more_cpus_than_the_cluster_has_is_refused_and_leaves_nothing(ray_local, tmp_path):
+    config, run_dir, _ = prepare(None, tiny(tmp_path, "greedy", "producers.num_cpus=4"))
+    with pytest.raises(ConfigError, match=r"reserves 9 CPUs .* the Ray cluster has 2"):
+        launch(config, run_dir)
+    assert not run_dir.path.exists()
+    with pytest.raises(ValueError):
+        ray.get_actor("greedy/queue", namespace="streamrl")
+
+
+def test_sequences_longer_than_the_model_allows_are_refused_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match="exceed the model's max_position_embeddings=16"):
+        prepare(None, tiny(tmp_path, "long", "task.digits=5", "model.max_positions=16"))
+    assert not (tmp_path / "long").exists()
+
+
+def test_resuming_a_finished_run_asks_for_more_steps(ray_local, tmp_path):
+    _, run_dir = run_tiny(tmp_path, "done", "run.steps=2", "producers.count=1")
+    with pytest.raises(ConfigError, match=r"already at step 2 .* --set run.steps=N"):
+        prepare(None, [], resume=str(run_dir.path))
+
+
+def test_a_file_task_with_a_local_checkpoint_and_a_reward_module_runs(ray_local, tmp_path, tiny_model_dir,
+                                                                         monkeypatch):
+    (tmp_path / "digit_rewards.py").write_text("def first_digit(completion, row):\n"
+                                              "    return float(completion[:1] == row['answer'])\n")
+    rows = [{"prompt": f"{n}>", "answer": str(n)[-1]} for n in range(10, 30)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.chdir(tmp_path)  # the reward module is imported from the launch directory
+    summary, run_dir = run_tiny(tmp_path, "files", "run.steps=3", "producers.count=1", "task.kind=file",
+                                "task.prompts=prompts.jsonl", "task.eval_prompts=prompts.jsonl",
+                                "task.reward=digit_rewards:first_digit", "sampling.max_new_tokens=3",
+                                f"model.path={json.dumps(str(tiny_model_dir))}")
+    assert summary["steps"] == 3 and summary["eval_reward_last"] is not None
+    prompts = {p for g in run_dir.read("groups.jsonl") for p in g["prompt_ids"]}
+    assert prompts <= set(range(40))
+
+
+def test_a_file_task_with_a_missing_reward_module_is_refused_before_anything_starts(tmp_path, tiny_model_dir):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "12>"}\n')
+    with pytest.raises(ConfigError, match="task: reward 'nowhere:f': cannot import module 'nowhere'"):
+        prepare(None, tiny(tmp_path, "nofn", "task.kind=file", f"task.prompts={json.dumps(str(tmp_path / 'p.jsonl'))}",
+                           "task.reward=nowhere:f", f"model.path={json.dumps(str(tiny_model_dir))}"))
+    assert not (tmp_path / "nofn").exists()

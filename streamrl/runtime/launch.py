@@ -49,33 +49,60 @@ def check_resume_overrides(saved: RunConfig, wanted: RunConfig) -> None:
                               f"{_section(saved, field)!r})")
 
 
-def _model_facts(model_dir: Path) -> dict[str, Any]:
+def model_facts(config: RunConfig) -> dict[str, Any]:
+    """The model's `config.json` (model.path), or what the built-in model will be built with."""
+    if config.model.path is None:
+        from streamrl.tasks.reverse import CharVocab
+
+        return {"vocab_size": len(CharVocab()), "max_position_embeddings": config.model.max_positions}
+    model_dir = Path(config.model.path).expanduser()
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model.path {str(model_dir)!r} is not a Hugging Face model directory (no config.json)")
     return json.loads((model_dir / "config.json").read_text())
 
 
-def check_model_and_task(config: RunConfig, model_dir: Path) -> int:
-    """Cross-checks that need the model's files; returns its vocabulary size."""
-    facts = _model_facts(model_dir)
-    vocab = int(facts.get("vocab_size", 0))
+def resolve_paths(config: RunConfig) -> RunConfig:
+    """Relative paths are relative to the launch directory; actors run elsewhere, and a resumed run
+    may start from another directory, so the resolved config holds absolute ones."""
+    def absolute(value: str | None) -> str | None:
+        return None if value is None else str(Path(value).expanduser().resolve())
+
+    return config.model_copy(update={
+        "run": config.run.model_copy(update={"output_dir": absolute(config.run.output_dir)}),
+        "model": config.model.model_copy(update={"path": absolute(config.model.path)}),
+        "task": config.task.model_copy(update={"prompts": absolute(config.task.prompts),
+                                               "eval_prompts": absolute(config.task.eval_prompts)}),
+    })
+
+
+def check_model_and_task(config: RunConfig) -> None:
+    """Cross-checks between the model's files and the task, before anything is created."""
+    facts = model_facts(config)
+    if config.task.kind == "file":
+        from transformers import AutoTokenizer
+
+        from streamrl.tasks import make_task
+
+        try:  # reads the prompt files and imports the reward function: errors name the file or function
+            make_task(config.task, AutoTokenizer.from_pretrained(config.model.path), search_path=os.getcwd())
+        except (ValueError, FileNotFoundError) as exc:
+            raise ConfigError(f"task: {exc}") from exc
     if config.task.kind == "reverse" and config.model.path is not None:
         from transformers import AutoTokenizer
 
         from streamrl.tasks.reverse import CharVocab
 
-        ids = AutoTokenizer.from_pretrained(model_dir).get_vocab()
+        ids = AutoTokenizer.from_pretrained(Path(config.model.path).expanduser()).get_vocab()
         expected = {tok: i for i, tok in enumerate(CharVocab().tokens)}
         if any(ids.get(tok) != i for tok, i in expected.items()):
             raise ConfigError("task.kind = 'reverse' needs the character tokenizer streamrl builds "
-                              f"(model.path {str(model_dir)!r} maps its characters to other ids)")
+                              f"(model.path {config.model.path!r} maps its characters to other ids)")
     positions = facts.get("max_position_embeddings")
     if config.task.kind == "reverse" and positions is not None:
         longest = 2 * config.task.digits + 2 + (config.sampling.max_new_tokens or config.task.digits + 2)
         if longest > positions:
-            raise ConfigError(f"task.digits={config.task.digits}: sequences of {longest} tokens exceed the model's "
-                              f"max_position_embeddings={positions}")
-    return vocab
+            raise ConfigError(f"task.digits={config.task.digits}: sequences of up to {longest} tokens exceed the "
+                              f"model's max_position_embeddings={positions}")
 
 
 def check_resources(config: RunConfig) -> None:
@@ -121,9 +148,6 @@ class Run:
         self.weight_histories: list[list[tuple[float, int]]] = []
         self._wandb = None
         self._pending: ray.ObjectRef | None = None
-        if self.start_step >= config.run.steps:
-            raise ConfigError(f"the run is already at step {self.start_step} and run.steps = {config.run.steps}; "
-                              f"continue it with --set run.steps=N (N > {self.start_step})")
 
     # ---- start -------------------------------------------------------------------------------------------
     def _model_dir(self) -> Path:
@@ -140,8 +164,8 @@ class Run:
     def start(self) -> None:
         cfg = self.config
         model_dir = self._model_dir()
-        vocab = check_model_and_task(cfg, model_dir)
         check_resources(cfg)
+        vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
         queue_cfg = cfg.queue.model_copy(update={"vocab_size": vocab})
         search_path = os.getcwd()
         restore = str(self.resume_from / "queue") if self.resume_from else None
@@ -323,14 +347,19 @@ def prepare(config_path: str | None = None, overrides: list[str] | None = None, 
         saved = run_dir.config()
         config = run_dir.config(overrides)
         check_resume_overrides(saved, config)
+        check_model_and_task(config)
         checkpoint = run_dir.latest_checkpoint()
         step = json.loads((checkpoint / "meta.json").read_text())["step"]
+        if step >= config.run.steps:
+            raise ConfigError(f"the run is already at step {step} and run.steps = {config.run.steps}; "
+                              f"continue it with --set run.steps=N (N > {step})")
         for name in (METRICS_FILE, GROUPS_FILE, EVAL_FILE):
             run_dir.truncate_after(name, step)
         return config, run_dir, checkpoint
     from streamrl.config import load_config
 
-    config = load_config(config_path, overrides)
+    config = resolve_paths(load_config(config_path, overrides))
+    check_model_and_task(config)
     if config.run.name is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         named = config.run.model_copy(update={"name": f"{config.task.kind}-{stamp}"})
@@ -347,7 +376,12 @@ def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
     view = ProgressView(config.logging.progress, config.run.steps, run.start_step, config.logging.line_every)
     view.print(f"streamrl run {config.run.name!r} → {run_dir.path}")
     try:
-        run.start()
+        try:
+            run.start()
+        except ConfigError:
+            if resume_from is None:
+                run_dir.discard_unstarted()  # nothing ran: the same command can be fixed and run again
+            raise
         try:
             run.train(view, stop or threading.Event())
         except KeyboardInterrupt:

@@ -61,6 +61,12 @@ class RunDir:
             raise RunDirError(f"{str(run.path)!r} is not a streamrl run directory (no config.toml)")
         return run
 
+    def discard_unstarted(self) -> None:
+        """Remove a run directory that never trained (no metrics, no checkpoint)."""
+        if (self.path / "metrics.jsonl").exists() or self.checkpoints.exists():
+            raise RunDirError(f"{str(self.path)!r} holds a run's results; it is not removed")
+        shutil.rmtree(self.path)
+
     def config(self, overrides: list[str] | None = None) -> RunConfig:
         return load_config(self.config_file, overrides)
 
