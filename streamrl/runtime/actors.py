@@ -127,7 +127,7 @@ class ProducerActor:
             pass  # the run is ending: the queue closed while this producer waited for a slot
         finally:
             self.receiver.stop()
-            self.weights.drop_holder.remote(self.producer.producer_id)
+            ray.get(self.weights.drop_holder.remote(self.producer.producer_id), timeout=30)
         return self.status()
 
     def stop(self) -> None:
@@ -161,6 +161,7 @@ class TrainerActor:
         self.queue = get_queue_actor(run_name)
         self.weights = ray.get_actor(actor_name(run_name, "weights"), namespace=NAMESPACE)
         self._cancel = threading.Event()
+        self._last_publish: ray.ObjectRef | None = None
 
     def ready(self) -> int:
         return os.getpid()
@@ -174,10 +175,15 @@ class TrainerActor:
         return self.trainer.version
 
     def publish(self) -> int:
-        """Hand the current weights to the weights actor and return at once (no producer is waited for)."""
+        """Hand the current weights to the weights actor and return at once (no producer is waited for).
+
+        The previous publication is awaited first: it has had a whole step to finish, so this costs
+        nothing, keeps versions arriving in order at the (threaded) weights actor, and raises its error."""
         from streamrl.models.hf import state_arrays
 
-        self.weights.publish.remote(self.trainer.version, state_arrays(self.trainer.model))
+        if self._last_publish is not None:
+            ray.get(self._last_publish)
+        self._last_publish = self.weights.publish.remote(self.trainer.version, state_arrays(self.trainer.model))
         return self.trainer.version
 
     def step(self) -> dict[str, Any] | None:
