@@ -27,15 +27,17 @@ def load_policy(path: str | Path, *, train: bool = False) -> tuple[PreTrainedMod
     return model, tokenizer
 
 
-def state_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    """The model's parameters and buffers as numpy copies, each tied tensor once."""
+def state_arrays(model: torch.nn.Module, *, copy: bool = True) -> dict[str, np.ndarray]:
+    """The model's parameters and buffers as numpy arrays, each tied tensor once. `copy=False` gives
+    views of the live tensors: only for a consumer that copies at once (`ray.put` does)."""
     arrays: dict[str, np.ndarray] = {}
     seen: set[int] = set()
     for name, tensor in model.state_dict().items():
         if tensor.data_ptr() in seen:
             continue
         seen.add(tensor.data_ptr())
-        arrays[name] = tensor.detach().to("cpu").numpy().copy()
+        array = tensor.detach().to("cpu").numpy()
+        arrays[name] = array.copy() if copy else array
     return arrays
 
 

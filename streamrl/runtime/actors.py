@@ -43,9 +43,13 @@ class WeightsActor:
     def __init__(self) -> None:
         self.registry = WeightRegistry()
 
-    def publish(self, version: int, arrays: dict[str, np.ndarray]) -> None:
-        # Put by this actor, so the weights outlive the trainer that sent them.
-        self.registry.publish(version, ray.put(arrays))
+    def publish(self, version: int, refs: list[ray.ObjectRef]) -> None:
+        # The trainer put the weights (one copy, measured in benchmarks/weights.py); this actor only
+        # borrows the reference, so the object lives while the registry or a producer holds it.
+        # If the trainer dies its weights go with it, which costs nothing: producers keep what they
+        # loaded, and a restarted trainer publishes again from its checkpoint.
+        (ref,) = refs
+        self.registry.publish(version, ref)
 
     def acquire(self, holder: int, have: int | None, timeout: float = 0.0) -> tuple[int, list] | None:
         got = self.registry.acquire(holder, have, timeout)
@@ -183,7 +187,8 @@ class TrainerActor:
 
         if self._last_publish is not None:
             ray.get(self._last_publish)
-        self._last_publish = self.weights.publish.remote(self.trainer.version, state_arrays(self.trainer.model))
+        ref = ray.put(state_arrays(self.trainer.model, copy=False))  # put copies before returning
+        self._last_publish = self.weights.publish.remote(self.trainer.version, [ref])  # in a list: by reference
         return self.trainer.version
 
     def step(self) -> dict[str, Any] | None:

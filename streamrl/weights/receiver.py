@@ -34,6 +34,7 @@ class WeightReceiver:
         self._staged_version = version  # newest version fetched (loaded or pending)
         self.version = version  # version loaded in the model
         self.history: list[tuple[float, int]] = []  # (wall time, version) of every load
+        self.staged_at: float | None = None  # wall time the newest weights finished arriving
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -64,6 +65,7 @@ class WeightReceiver:
         with self._cond:
             self._pending = got
             self._staged_version = got[0]
+            self.staged_at = time.time()
             self._cond.notify_all()
         return True
 

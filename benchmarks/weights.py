@@ -1,0 +1,138 @@
+"""Weight streaming: publish-and-fetch time against weight size and producer count, beside the limit.
+
+    python benchmarks/weights.py --out benchmarks/results/weights.json
+
+For each size and producer count, in the same run:
+  publish_fetch_s  the trainer `ray.put`s the weights and publishes the reference to the weights actor;
+                   every producer's background receiver (long poll) has them staged — the real path
+  put_get_s        one `ray.put` of the same bytes and one `ray.get` in another process (the limit)
+  stall_s          what a producer pays at its next decode-step boundary to load them into its model
+                   (a copy into the model's tensors), the only moment generation is held up
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from streamrl.runtime.actors import WeightsActor, create_actor, remote_fetch
+from streamrl.weights.receiver import WeightReceiver
+
+RUN = "bench-weights"
+TARGET_RATIO = 1.5  # publish to 4 producers within 1.5 x one put-and-get of the same bytes
+
+
+class Subscriber:
+    """A producer's weight path without the generation: receiver + a model of the published size."""
+
+    def __init__(self, run: str, producer_id: int, floats: int):
+        torch.set_num_threads(1)
+        weights = ray.get_actor(f"{run}/weights", namespace="streamrl")
+        self.model = torch.nn.Module()
+        self.model.w = torch.nn.Parameter(torch.zeros(floats), requires_grad=False)
+        self.receiver = WeightReceiver(remote_fetch(weights, producer_id), poll_s=1.0)
+        self.receiver.start()
+
+    def staged_at(self, version: int, timeout: float = 120.0) -> float:
+        if not self.receiver.wait_newer(version - 1, timeout):
+            raise TimeoutError(f"version {version} never arrived")
+        return self.receiver.staged_at
+
+    def apply(self) -> float:
+        started = time.perf_counter()
+        self.receiver.apply(self.model)
+        return time.perf_counter() - started
+
+    def stop(self) -> None:
+        self.receiver.stop()
+
+
+class Reader:
+    def read(self, refs: list) -> float:
+        array = ray.get(refs[0])["w"]
+        assert array.size > 0
+        return time.time()
+
+
+def measure(nbytes: int, producers: int, repeats: int) -> dict:
+    floats = nbytes // 4
+    arrays = {"w": np.random.default_rng(0).random(floats, dtype=np.float32)}
+    weights = create_actor(WeightsActor, RUN, "weights", max_concurrency=producers + 4)
+    subscribers = [ray.remote(num_cpus=0, max_concurrency=3)(Subscriber).remote(RUN, i, floats)
+                   for i in range(producers)]
+    reader = ray.remote(num_cpus=0)(Reader).remote()
+    try:
+        ray.get(weights.publish.remote(0, [ray.put(arrays)]))  # warm-up: connections, first fetch
+        ray.get([s.staged_at.remote(0) for s in subscribers])
+        ray.get([s.apply.remote() for s in subscribers])
+        ray.get(reader.read.remote([ray.put(arrays)]))
+        publish, put_get, stall = [], [], []
+        for version in range(1, repeats + 1):
+            arrays["w"][0] = version  # new contents, same size
+            started = time.time()
+            ray.get(weights.publish.remote(version, [ray.put(arrays)]))
+            publish.append(max(ray.get([s.staged_at.remote(version) for s in subscribers])) - started)
+            stall += ray.get([s.apply.remote() for s in subscribers])
+            started = time.time()
+            put_get.append(ray.get(reader.read.remote([ray.put(arrays)])) - started)
+        ray.get([s.stop.remote() for s in subscribers])
+    finally:
+        for actor in (weights, reader, *subscribers):
+            ray.kill(actor)
+    publish_s, put_get_s = float(np.median(publish)), float(np.median(put_get))
+    return {"bytes": nbytes, "producers": producers, "publish_fetch_s": publish_s, "put_get_s": put_get_s,
+            "ratio": publish_s / put_get_s, "stall_s": float(np.median(stall)),
+            "publish_gbps": nbytes / publish_s / 1e9}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/weights.json"))
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 256, 1024])
+    parser.add_argument("--producers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    ray.init(num_cpus=2, include_dashboard=False, namespace="streamrl", logging_level="WARNING")
+    try:
+        rows = [measure(int(mb * 2**20), n, args.repeats) for mb in args.sizes_mb for n in args.producers]
+    finally:
+        ray.shutdown()
+    four = [r for r in rows if r["producers"] == 4]
+    worst = max((r["ratio"] for r in four), default=None)
+    report = {
+        "benchmark": "weights",
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "ray": ray.__version__},
+        "results": {"rows": rows, "worst_ratio_4_producers": worst},
+        "targets": {"publish_4_producers_vs_put_get": {
+            "target": TARGET_RATIO, "measured": worst, "met": worst is not None and worst <= TARGET_RATIO}},
+    }
+    table = Table(title="streamrl weight streaming (median of repeats)")
+    for column in ("size", "producers", "publish+fetch", "put+get", "ratio", "stall/update", "GB/s"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        flag = "" if r["producers"] != 4 else (" ok" if r["ratio"] <= TARGET_RATIO else " MISSED")
+        table.add_row(f"{r['bytes'] / 2**20:,.0f} MB", str(r["producers"]), f"{r['publish_fetch_s'] * 1e3:,.1f} ms",
+                      f"{r['put_get_s'] * 1e3:,.1f} ms", f"{r['ratio']:.2f}{flag}", f"{r['stall_s'] * 1e3:,.2f} ms",
+                      f"{r['publish_gbps']:.2f}")
+    Console().print(table)
+    if worst is not None and worst > TARGET_RATIO:
+        print(f"target missed: publishing to 4 producers takes {worst:.2f}x one put-and-get "
+              f"(target {TARGET_RATIO}x, {worst / TARGET_RATIO:.2f}x over)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
