@@ -6,8 +6,11 @@ For each size and producer count, in the same run:
   publish_fetch_s  the trainer `ray.put`s the weights and publishes the reference to the weights actor;
                    every producer's background receiver (long poll) has them staged — the real path
   put_get_s        one `ray.put` of the same bytes and one `ray.get` in another process (the limit)
-  stall_s          what a producer pays at its next decode-step boundary to load them into its model
-                   (a copy into the model's tensors), the only moment generation is held up
+  ready_s          until every producer can switch to them (double-buffered: after the copy into the
+                   standby model, which overlaps generation)
+  stall_s          what a producer pays at its next decode-step boundary to switch to them, the only
+                   moment generation is held up: a pointer swap when double-buffered (default; the
+                   copy into the standby model overlaps generation), a copy with --in-place
 """
 
 from __future__ import annotations
@@ -35,22 +38,29 @@ TARGET_RATIO = 1.5  # publish to 4 producers within 1.5 x one put-and-get of the
 class Subscriber:
     """A producer's weight path without the generation: receiver + a model of the published size."""
 
-    def __init__(self, run: str, producer_id: int, floats: int):
+    def __init__(self, run: str, producer_id: int, floats: int, double_buffer: bool):
         torch.set_num_threads(1)
         weights = ray.get_actor(f"{run}/weights", namespace="streamrl")
-        self.model = torch.nn.Module()
-        self.model.w = torch.nn.Parameter(torch.zeros(floats), requires_grad=False)
-        self.receiver = WeightReceiver(remote_fetch(weights, producer_id), poll_s=1.0)
+
+        def model() -> torch.nn.Module:
+            module = torch.nn.Module()
+            module.w = torch.nn.Parameter(torch.zeros(floats), requires_grad=False)
+            return module
+
+        self.model = model()
+        self.receiver = WeightReceiver(remote_fetch(weights, producer_id), poll_s=1.0,
+                                       standby=model() if double_buffer else None)
         self.receiver.start()
 
-    def staged_at(self, version: int, timeout: float = 120.0) -> float:
+    def arrival(self, version: int, timeout: float = 120.0) -> tuple[float, float]:
+        """(fetched, ready to switch) wall times of `version`."""
         if not self.receiver.wait_newer(version - 1, timeout):
             raise TimeoutError(f"version {version} never arrived")
-        return self.receiver.staged_at
+        return self.receiver.fetched_at, self.receiver.staged_at
 
     def apply(self) -> float:
         started = time.perf_counter()
-        self.receiver.apply(self.model)
+        self.model, _ = self.receiver.apply(self.model)
         return time.perf_counter() - started
 
     def stop(self) -> None:
@@ -64,24 +74,26 @@ class Reader:
         return time.time()
 
 
-def measure(nbytes: int, producers: int, repeats: int) -> dict:
+def measure(nbytes: int, producers: int, repeats: int, double_buffer: bool) -> dict:
     floats = nbytes // 4
     arrays = {"w": np.random.default_rng(0).random(floats, dtype=np.float32)}
     weights = create_actor(WeightsActor, RUN, "weights", max_concurrency=producers + 4)
-    subscribers = [ray.remote(num_cpus=0, max_concurrency=3)(Subscriber).remote(RUN, i, floats)
+    subscribers = [ray.remote(num_cpus=0, max_concurrency=3)(Subscriber).remote(RUN, i, floats, double_buffer)
                    for i in range(producers)]
     reader = ray.remote(num_cpus=0)(Reader).remote()
     try:
         ray.get(weights.publish.remote(0, [ray.put(arrays)]))  # warm-up: connections, first fetch
-        ray.get([s.staged_at.remote(0) for s in subscribers])
+        ray.get([s.arrival.remote(0) for s in subscribers])
         ray.get([s.apply.remote() for s in subscribers])
         ray.get(reader.read.remote([ray.put(arrays)]))
-        publish, put_get, stall = [], [], []
+        publish, ready, put_get, stall = [], [], [], []
         for version in range(1, repeats + 1):
             arrays["w"][0] = version  # new contents, same size
             started = time.time()
             ray.get(weights.publish.remote(version, [ray.put(arrays)]))
-            publish.append(max(ray.get([s.staged_at.remote(version) for s in subscribers])) - started)
+            fetched, staged = zip(*ray.get([s.arrival.remote(version) for s in subscribers]))
+            publish.append(max(fetched) - started)
+            ready.append(max(staged) - started)
             stall += ray.get([s.apply.remote() for s in subscribers])
             started = time.time()
             put_get.append(ray.get(reader.read.remote([ray.put(arrays)])) - started)
@@ -91,7 +103,7 @@ def measure(nbytes: int, producers: int, repeats: int) -> dict:
             ray.kill(actor)
     publish_s, put_get_s = float(np.median(publish)), float(np.median(put_get))
     return {"bytes": nbytes, "producers": producers, "publish_fetch_s": publish_s, "put_get_s": put_get_s,
-            "ratio": publish_s / put_get_s, "stall_s": float(np.median(stall)),
+            "ratio": publish_s / put_get_s, "ready_s": float(np.median(ready)), "stall_s": float(np.median(stall)),
             "publish_gbps": nbytes / publish_s / 1e9}
 
 
@@ -101,11 +113,14 @@ def main() -> None:
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 256, 1024])
     parser.add_argument("--producers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--in-place", action="store_true",
+                        help="producers copy new weights into the live model (default: double-buffered swap)")
     args = parser.parse_args()
 
     ray.init(num_cpus=2, include_dashboard=False, namespace="streamrl", logging_level="WARNING")
     try:
-        rows = [measure(int(mb * 2**20), n, args.repeats) for mb in args.sizes_mb for n in args.producers]
+        rows = [measure(int(mb * 2**20), n, args.repeats, not args.in_place)
+                for mb in args.sizes_mb for n in args.producers]
     finally:
         ray.shutdown()
     four = [r for r in rows if r["producers"] == 4]
@@ -113,17 +128,19 @@ def main() -> None:
     report = {
         "benchmark": "weights",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "ray": ray.__version__},
+        "mode": "in_place" if args.in_place else "double_buffered",
         "results": {"rows": rows, "worst_ratio_4_producers": worst},
         "targets": {"publish_4_producers_vs_put_get": {
             "target": TARGET_RATIO, "measured": worst, "met": worst is not None and worst <= TARGET_RATIO}},
     }
     table = Table(title="streamrl weight streaming (median of repeats)")
-    for column in ("size", "producers", "publish+fetch", "put+get", "ratio", "stall/update", "GB/s"):
+    for column in ("size", "producers", "publish+fetch", "put+get", "ratio", "ready", "stall/update", "GB/s"):
         table.add_column(column, justify="right")
     for r in rows:
         flag = "" if r["producers"] != 4 else (" ok" if r["ratio"] <= TARGET_RATIO else " MISSED")
         table.add_row(f"{r['bytes'] / 2**20:,.0f} MB", str(r["producers"]), f"{r['publish_fetch_s'] * 1e3:,.1f} ms",
-                      f"{r['put_get_s'] * 1e3:,.1f} ms", f"{r['ratio']:.2f}{flag}", f"{r['stall_s'] * 1e3:,.2f} ms",
+                      f"{r['put_get_s'] * 1e3:,.1f} ms", f"{r['ratio']:.2f}{flag}", f"{r['ready_s'] * 1e3:,.1f} ms",
+                      f"{r['stall_s'] * 1e3:,.2f} ms",
                       f"{r['publish_gbps']:.2f}")
     Console().print(table)
     if worst is not None and worst > TARGET_RATIO:

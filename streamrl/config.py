@@ -100,6 +100,9 @@ class ProducerSection(_Section):
     """torch threads per producer."""
     num_cpus: float = Field(0.5, ge=0)
     """Ray CPUs each producer reserves."""
+    double_buffer: bool = True
+    """Copy new weights into a second model in the background and swap at a decode step (no stall,
+    twice the model memory); false: copy into the live model at the decode step."""
     weight_poll_s: float = Field(1.0, gt=0)
     """Longest wait of one long poll for newer weights (a new version is seen as soon as it is published)."""
 

@@ -60,19 +60,45 @@ def test_receiver_stages_in_the_background_and_loads_at_apply(tiny_model_dir):
     receiver.start()
     try:
         assert receiver.wait_newer(None, timeout=5)
-        assert receiver.apply(producer_model) == 0
+        assert receiver.apply(producer_model) == (producer_model, 0)
         with torch.no_grad():
             for p in trainer_model.parameters():
                 p.mul_(1.5)
         reg.publish(1, state_arrays(trainer_model))
         assert receiver.wait_newer(0, timeout=5)
         assert receiver.version == 0  # staged, not loaded until the next decode-step boundary
-        assert receiver.apply(producer_model) == 1
+        assert receiver.apply(producer_model) == (producer_model, 1)
     finally:
         receiver.stop()
     for a, b in zip(trainer_model.state_dict().values(), producer_model.state_dict().values()):
         torch.testing.assert_close(a, b)
     assert [v for _, v in receiver.history] == [0, 1]
+
+
+def test_double_buffering_swaps_in_a_fully_written_standby(tiny_model_dir):
+    trainer_model, _ = load_policy(tiny_model_dir)
+    live, _ = load_policy(tiny_model_dir)
+    standby, _ = load_policy(tiny_model_dir)
+    reg = WeightRegistry()
+    reg.publish(0, state_arrays(trainer_model))
+    receiver = WeightReceiver(lambda have, timeout: reg.acquire(0, have, timeout), standby=standby)
+    assert receiver.fetch_now()
+    model, version = receiver.apply(live)
+    assert model is standby and version == 0  # a pointer swap; the old live model is the new standby
+    assert receiver.apply(model) == (standby, 0)  # nothing newer: no swap
+    with torch.no_grad():
+        for p in trainer_model.parameters():
+            p.add_(1.0)
+    reg.publish(1, state_arrays(trainer_model))
+    with receiver._standby_lock:  # the poll thread is still writing the standby: keep generating
+        receiver._standby_version = 1
+        assert receiver.apply(model) == (standby, 0)
+    receiver._standby_version = 0
+    assert receiver.fetch_now()
+    model, version = receiver.apply(model)
+    assert model is live and version == 1
+    for a, b in zip(trainer_model.state_dict().values(), model.state_dict().values()):
+        torch.testing.assert_close(a, b)
 
 
 def test_receiver_reraises_a_failed_fetch():
@@ -84,7 +110,7 @@ def test_receiver_reraises_a_failed_fetch():
     receiver.wait_newer(None, timeout=2)
     receiver.stop()
     with pytest.raises(RuntimeError, match="fetching weights failed"):
-        receiver.apply(torch.nn.Linear(1, 1))
+        receiver.apply(torch.nn.Linear(1, 1))  # the error surfaces where generation would continue
 
 
 def test_state_arrays_hold_tied_weights_once_and_reject_mismatches(tiny_model_dir):

@@ -75,8 +75,9 @@ class RolloutProducer:
         self.last_blocked_by: str | None = None
 
     def refresh(self) -> int:
-        """The decode-step boundary hook: load staged weights, return the version now in the model."""
-        return self.receiver.apply(self.sampler.model)
+        """The decode-step boundary hook: switch to staged weights, return the version now in use."""
+        self.sampler.model, version = self.receiver.apply(self.sampler.model)
+        return version
 
     def run_once(self, timeout: float = 0.5) -> int:
         """One admit → generate → commit cycle; the number of groups committed (0 when not admitted)."""

@@ -12,6 +12,7 @@ restarted driver can find them. Weights cross the object store as numpy arrays.
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
@@ -106,7 +107,9 @@ class ProducerActor:
         model, tokenizer = load_policy(model_dir)
         task = make_task(cfg.task, tokenizer, seed=cfg.run.seed, search_path=search_path)
         self.weights = ray.get_actor(actor_name(run_name, "weights"), namespace=NAMESPACE)
-        self.receiver = WeightReceiver(remote_fetch(self.weights, producer_id), poll_s=cfg.producers.weight_poll_s)
+        standby = copy.deepcopy(model) if cfg.producers.double_buffer else None
+        self.receiver = WeightReceiver(remote_fetch(self.weights, producer_id), poll_s=cfg.producers.weight_poll_s,
+                                       standby=standby)
         sampler = TorchSampler(model, pad_id=tokenizer.pad_token_id or 0, stop_ids=task.stop_token_ids,
                                max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens(),
                                temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, seed=seed)

@@ -1,12 +1,18 @@
-"""A producer's side of weight streaming: fetch newer weights in the background, load them at a
+"""A producer's side of weight streaming: fetch newer weights in the background, switch to them at a
 decode-step boundary.
 
 ```
- poll thread: fetch(have, wait ≤ poll_s) ─► (version, arrays) staged as `pending`   (overlaps generation)
- sampler:     at each decode-step boundary ─► apply(model): load `pending` if any ─► current version
+ poll thread: fetch(have, wait ≤ poll_s) ─► (version, arrays)        (a long poll; overlaps generation)
+    double-buffered: copy the arrays into the standby model ─► ready   (still overlapping generation)
+    in place:        keep the arrays as `pending`
+ sampler, at each decode-step boundary: apply(model) ─► (model to use, its version)
+    double-buffered: swap live and standby when the standby is ready — a pointer swap, no copy
+    in place:        copy `pending` into the live model (the stall grows with the model's size)
 ```
-Loading is a copy into the model's own tensors (the KV cache and the optimizer-free model stay), so
-it takes microseconds per megabyte and never waits for another producer or for the trainer.
+Double buffering costs a second copy of the model in memory and makes the stall per update
+independent of the model's size (measured in benchmarks/weights.py). Neither mode waits for another
+producer or for the trainer; the KV cache is kept across the switch, and every token records the
+version of the weights that computed its logits.
 """
 
 from __future__ import annotations
@@ -26,18 +32,27 @@ Fetch = Callable[[int | None, float], tuple[int, dict[str, np.ndarray]] | None]
 
 
 class WeightReceiver:
-    def __init__(self, fetch: Fetch, *, version: int | None = None, poll_s: float = 0.05):
+    def __init__(self, fetch: Fetch, *, version: int | None = None, poll_s: float = 0.05,
+                 standby: torch.nn.Module | None = None):
         self._fetch = fetch
         self._poll_s = poll_s
         self._cond = threading.Condition()
-        self._pending: tuple[int, dict[str, np.ndarray]] | None = None
-        self._staged_version = version  # newest version fetched (loaded or pending)
-        self.version = version  # version loaded in the model
-        self.history: list[tuple[float, int]] = []  # (wall time, version) of every load
-        self.staged_at: float | None = None  # wall time the newest weights finished arriving
+        self._pending: tuple[int, dict[str, np.ndarray]] | None = None  # in place: arrays to copy
+        self._standby = standby  # double-buffered: the model the next version is copied into
+        self._standby_lock = threading.Lock()  # held while the poll thread writes the standby
+        self._standby_version: int | None = None  # version the standby holds once fully written
+        self._staged_version = version  # newest version fetched (loaded, pending or in the standby)
+        self.version = version  # version of the model in use
+        self.history: list[tuple[float, int]] = []  # (wall time, version) of every switch
+        self.fetched_at: float | None = None  # wall time the newest weights arrived in this process
+        self.staged_at: float | None = None  # wall time they were ready to switch to (after the standby copy)
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def double_buffered(self) -> bool:
+        return self._standby is not None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._poll, name="weight-receiver", daemon=True)
@@ -62,26 +77,53 @@ class WeightReceiver:
         got = self._fetch(self._staged_version, timeout)
         if got is None:
             return False
+        self.fetched_at = time.time()
+        version, arrays = got
+        if self._standby is not None:
+            with self._standby_lock:  # the generating thread never swaps in a half-written standby
+                load_state_arrays(self._standby, arrays)
+                self._standby_version = version
         with self._cond:
-            self._pending = got
-            self._staged_version = got[0]
+            if self._standby is None:
+                self._pending = got
+            self._staged_version = version
             self.staged_at = time.time()
             self._cond.notify_all()
         return True
 
-    def apply(self, model: torch.nn.Module) -> int:
-        """Load the staged weights, if any, and return the version now in the model."""
+    def apply(self, model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
+        """The model to generate with from this decode step on, and its version (newer if any is ready)."""
         if self.error is not None:
             raise RuntimeError("fetching weights failed") from self.error
-        with self._cond:
-            pending, self._pending = self._pending, None
-        if pending is not None:
-            load_state_arrays(model, pending[1])
-            self.version = pending[0]
-            self.history.append((time.time(), self.version))
+        if self._standby is not None:
+            model = self._swap(model)
+        else:
+            with self._cond:
+                pending, self._pending = self._pending, None
+            if pending is not None:
+                load_state_arrays(model, pending[1])
+                self._switched(pending[0])
         if self.version is None:
             raise RuntimeError("no weights were published yet")
-        return self.version
+        return model, self.version
+
+    def _swap(self, live: torch.nn.Module) -> torch.nn.Module:
+        ready = self._standby_version
+        if ready is None or (self.version is not None and ready <= self.version):
+            return live
+        if not self._standby_lock.acquire(blocking=False):
+            return live  # an even newer version is being written: switch at a later step
+        try:
+            ready, fresh = self._standby_version, self._standby
+            self._standby = live  # the old weights become the buffer for the next version
+            self._switched(ready)
+            return fresh
+        finally:
+            self._standby_lock.release()
+
+    def _switched(self, version: int) -> None:
+        self.version = version
+        self.history.append((time.time(), version))
 
     def wait_newer(self, than: int | None, timeout: float) -> bool:
         """Block until weights newer than `than` are staged (or timeout)."""
@@ -92,4 +134,5 @@ class WeightReceiver:
                 timeout)
 
     def status(self) -> dict[str, Any]:
-        return {"version": self.version, "staged": self._staged_version, "loads": len(self.history)}
+        return {"version": self.version, "staged": self._staged_version, "loads": len(self.history),
+                "double_buffered": self.double_buffered}
