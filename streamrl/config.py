@@ -34,9 +34,9 @@ class RunSection(_Section):
     output_dir: str = "runs"
     """Run directories are created under this folder."""
     seed: int = Field(0, ge=0)
-    steps: int = Field(600, ge=1)
+    steps: int = Field(900, ge=1)
     """Trainer steps (optimizer updates) to take; the run also stops at `time_limit_s`."""
-    time_limit_s: float | None = Field(210.0, gt=0)
+    time_limit_s: float | None = Field(200.0, gt=0)
     """Stop training after this many seconds (Ray and model start-up not counted); None: no limit."""
     eval_every: int = Field(50, ge=0)
     """Evaluate on the held-out split every this many steps, and at the start and end (0: start and end only)."""
