@@ -69,10 +69,12 @@ def test_apply_overrides_does_not_mutate_its_input():
 LAUNCH = __import__("pathlib").Path(__file__).resolve().parent.parent / "launch"
 
 
-@pytest.mark.parametrize("name", ["default", "sync", "cpu-large", "cluster", "file-task"])
+@pytest.mark.parametrize("name", ["default", "sync", "one-step", "cpu-large", "cluster", "file-task"])
 def test_example_configs_load(name):
     config = load_config(LAUNCH / f"{name}.toml")
     if name == "default":
         assert config == RunConfig()
     if name == "sync":
         assert config.queue.max_staleness == 0
+    if name == "one-step":
+        assert config.queue.max_staleness == 1 and config.queue.admission == "per_step"

@@ -215,3 +215,27 @@ def test_config_errors_name_the_field():
         QueueConfig(groups_per_step=8, max_in_flight=4, max_staleness=0)
     with pytest.raises(ValueError, match="max_stalness"):
         QueueConfig(max_stalness=1)
+
+
+def test_per_step_admission_hands_out_whole_batches_behind_a_barrier(rng):
+    cfg = QueueConfig(group_size=2, groups_per_step=4, max_staleness=1, max_in_flight=100, admission="per_step")
+    queue = ReplayQueue(cfg)
+    first = queue.admit(0, 3).tickets + queue.admit(1, 3).tickets
+    assert len(first) == 4  # one step's batch, across producers
+    blocked = queue.admit(0, 1)
+    assert blocked.tickets == [] and blocked.blocked_by == "batch"
+    queue.commit(synthetic_batch(first[:3], 2, rng=rng))
+    assert queue.admit(0, 1).blocked_by == "batch"  # the straggler holds the next batch back
+    queue.commit(synthetic_batch(first[3:], 2, rng=rng))
+    second = queue.admit(0, 10).tickets
+    assert len(second) == 4  # the next batch opens whole (η = 1 allows (0 + 1 + 1) · 4 groups)
+    queue.commit(synthetic_batch(second, 2, rng=rng))
+    assert queue.admit(0, 1).blocked_by == "staleness"  # and the staleness rule still applies
+
+
+def test_continuous_admission_has_no_barrier(rng):
+    cfg = QueueConfig(group_size=2, groups_per_step=4, max_staleness=1, max_in_flight=100)
+    queue = ReplayQueue(cfg)
+    tickets = queue.admit(0, 4).tickets
+    queue.commit(synthetic_batch(tickets[:3], 2, rng=rng))
+    assert len(queue.admit(0, 10).tickets) == 4  # a straggler does not hold anyone back

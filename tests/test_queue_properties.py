@@ -37,11 +37,13 @@ class QueueSchedule(RuleBasedStateMachine):
         group_size=st.integers(1, 3), groups_per_step=st.integers(1, 4), max_staleness=st.integers(0, 3),
         extra_in_flight=st.integers(0, 6), capacity_tokens=st.sampled_from([40, 200, 100_000]),
         over_budget=st.sampled_from(["regenerate", "train"]), seed=st.integers(0, 2**16),
+        admission=st.sampled_from(["continuous", "per_step"]),
     )
-    def setup(self, group_size, groups_per_step, max_staleness, extra_in_flight, capacity_tokens, over_budget, seed):
+    def setup(self, group_size, groups_per_step, max_staleness, extra_in_flight, capacity_tokens, over_budget, seed,
+              admission):
         self.cfg = QueueConfig(group_size=group_size, groups_per_step=groups_per_step, max_staleness=max_staleness,
                                max_in_flight=groups_per_step + extra_in_flight, capacity_tokens=capacity_tokens,
-                               over_budget=over_budget, vocab_size=32)
+                               over_budget=over_budget, vocab_size=32, admission=admission)
         self.queue = ReplayQueue(self.cfg)
         self.rng = np.random.default_rng(seed)
         self.held = {p: {} for p in range(PRODUCERS)}  # producer -> ticket id -> ticket
@@ -207,6 +209,8 @@ class QueueSchedule(RuleBasedStateMachine):
         s = self.queue.status()
         assert s["running"] <= self.cfg.max_in_flight
         assert s["admitted_live"] <= (s["version"] + self.cfg.max_staleness + 1) * self.cfg.groups_per_step
+        if self.cfg.admission == "per_step":  # running groups never span two steps' batches
+            assert s["running"] <= self.cfg.groups_per_step
 
     @invariant()
     def staleness_over_budget_is_counted(self):

@@ -27,6 +27,13 @@ class QueueConfig(BaseModel):
     capacity_tokens: int = Field(4_000_000, ge=1)
     """Admission stops while the queued groups hold this many tokens (prompt + response) or more."""
 
+    admission: Literal["continuous", "per_step"] = "continuous"
+    """`continuous`: a slot opens as soon as the staleness formula allows (streaming). `per_step`: the
+    B groups of one train step are handed out as a batch, and the next batch opens only when every
+    group of the previous one is committed — the one-step-ahead loop at η = 1 (generation of step
+    k + 1 overlaps training of step k, but waits for step k's slowest sample), the synchronous loop
+    at η = 0. The schedules users compare against, through the same queue."""
+
     over_budget: Literal["regenerate", "train"] = "regenerate"
     """What happens to a queued group whose staleness exceeds η (rare: producers lagging on weights,
     or long generations finishing out of order). `regenerate` discards it and sends its prompt back

@@ -55,7 +55,7 @@ class Ticket(NamedTuple):
 
 class Admission(NamedTuple):
     tickets: list[Ticket]
-    blocked_by: str | None  # why no more were admitted: paused, stale_weights, in_flight, capacity, staleness
+    blocked_by: str | None  # why no more were admitted: paused, stale_weights, in_flight, capacity, staleness, batch
 
 
 class QueuedGroup(NamedTuple):
@@ -156,6 +156,11 @@ class ReplayQueue:
             return 0, "stale_weights" if admission_budget(**rule) > 0 else "staleness"
         if in_flight <= 0:
             return 0, "in_flight"
+        if cfg.admission == "per_step":
+            left_in_batch = -self.admitted_live % cfg.groups_per_step
+            if left_in_batch == 0 and self._running:
+                return 0, "batch"  # the previous step's batch still has groups generating
+            budget = min(budget, left_in_batch or cfg.groups_per_step)
         return min(budget, in_flight), None
 
     def _issue(self, producer_id: int, count: int) -> list[Ticket]:
