@@ -87,11 +87,14 @@ def test_held_versions_differ_counts_moments_of_disagreement():
     assert held_versions_differ([[(1.0, 0)]]) == (0, 0)
 
 
-def test_synchronous_schedule_runs_through_the_same_code_path(ray_local, tmp_path):
-    summary, run_dir = run_tiny(tmp_path, "sync", "run.steps=4", "queue.max_staleness=0", "producers.count=2")
+@pytest.mark.parametrize("eta, admission", [(0, "continuous"), (1, "per_step")])
+def test_sync_and_one_step_schedules_run_through_the_same_code_path(ray_local, tmp_path, eta, admission):
+    summary, run_dir = run_tiny(tmp_path, f"sched{eta}", "run.steps=4", f"queue.max_staleness={eta}",
+                                f"queue.admission={admission}", "producers.count=2")
     metrics = run_dir.read("metrics.jsonl")
-    assert [m["staleness_max"] for m in metrics] == [0, 0, 0, 0]
-    assert summary["schedule"] == "synchronous" and summary["queue"]["over_budget"] == 0
+    assert len(metrics) == 4 and all(m["staleness_max"] <= eta for m in metrics)
+    assert summary["schedule"] == ("synchronous" if eta == 0 else "asynchronous")
+    assert summary["queue"]["over_budget"] == 0
 
 
 def test_resume_continues_without_losing_or_repeating_a_group(ray_local, tmp_path):
