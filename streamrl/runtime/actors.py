@@ -215,8 +215,11 @@ class TrainerActor:
         table = fetch_table(groups)
         metrics = {f"token_{k}" if k.startswith("staleness") else k: v
                    for k, v in self.trainer.train(table).items()}
-        self.publish()
+        # The queue learns the new version before any producer can hold it: the queue refuses tokens
+        # stamped with a version it has not reached, so publishing first would let a fast producer
+        # load v + 1, commit, and have its batch rejected (and its run fail) while the queue is at v.
         ray.get(self.queue.set_version.remote(self.trainer.version))
+        self.publish()
         rewards = table.column("reward").to_numpy()
         return {
             **metrics,
