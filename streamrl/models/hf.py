@@ -14,6 +14,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 
+def quiet_transformers() -> None:
+    """No download/progress bars or info logs from transformers in run output (nothing is downloaded)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def load_policy(path: str | Path, *, train: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model (float32, eager attention: fastest for small models on CPU) and tokenizer from a local directory."""
     path = Path(path)

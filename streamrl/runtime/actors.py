@@ -33,13 +33,6 @@ def actor_name(run_name: str, role: str) -> str:
     return f"{run_name}/{role}"
 
 
-def quiet_transformers() -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-
-
 class WeightsActor:
     def __init__(self) -> None:
         self.registry = WeightRegistry()
@@ -96,7 +89,7 @@ class ProducerActor:
         import torch
 
         from streamrl.engine.sampler import TorchSampler
-        from streamrl.models.hf import load_policy
+        from streamrl.models.hf import load_policy, quiet_transformers
         from streamrl.rollout.producer import RolloutProducer
         from streamrl.tasks import make_task
         from streamrl.weights.receiver import WeightReceiver
@@ -153,6 +146,7 @@ class TrainerActor:
                  search_path: str | None = None):
         import torch
 
+        from streamrl.models.hf import quiet_transformers
         from streamrl.tasks import make_task
         from streamrl.trainer.torch_trainer import TorchTrainer
 
@@ -176,10 +170,6 @@ class TrainerActor:
     def cancel_step(self) -> None:
         """Make a step that is still waiting for groups return None (a step already training finishes)."""
         self._cancel.set()
-
-    @property
-    def version(self) -> int:
-        return self.trainer.version
 
     def publish(self) -> int:
         """Hand the current weights to the weights actor and return at once (no producer is waited for).

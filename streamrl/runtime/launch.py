@@ -154,8 +154,8 @@ class Run:
         if self.config.model.path is not None:
             return Path(self.config.model.path).expanduser().resolve()
         if self.resume_from is None and not self.run_dir.initial_model.exists():
+            from streamrl.models.hf import quiet_transformers
             from streamrl.models.tiny import build_tiny_model
-            from streamrl.runtime.actors import quiet_transformers
 
             quiet_transformers()
             build_tiny_model(self.config.model, self.run_dir.initial_model, seed=self.config.run.seed)
@@ -165,7 +165,7 @@ class Run:
         cfg = self.config
         model_dir = self._model_dir()
         check_resources(cfg)
-        vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+        vocab = int(model_facts(cfg)["vocab_size"])
         queue_cfg = cfg.queue.model_copy(update={"vocab_size": vocab})
         search_path = os.getcwd()
         restore = str(self.resume_from / "queue") if self.resume_from else None

@@ -50,6 +50,7 @@ class ReverseDigits:
         # A fixed multiplicative hash: the split does not depend on the seed or on how prompts are drawn.
         return (number * 2654435761 + self.digits) % 2**32 % 10 == 0
 
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 -- one task per process; rewards ask G times per prompt
     def number(self, prompt_id: int) -> int:
         """The training number for a prompt id: deterministic, never a held-out one."""
         rng = np.random.default_rng([self.seed, prompt_id])
