@@ -34,6 +34,19 @@ def _connect(address: str | None) -> None:
                        "Start the run first, or pass --address HOST:PORT") from exc
 
 
+def describe_summary(summary: dict) -> str:
+    """The run's last line; fields a run stopped before its first step does not have print as n/a."""
+    def num(key: str, spec: str) -> str:
+        value = summary.get(key)
+        return "n/a" if value is None else format(value, spec)
+
+    return (f"{summary['stopped_by']} at step {summary['steps']} after {summary['elapsed_s']:.0f} s: "
+            f"reward {num('reward_first_10pct', '.3f')} → {num('reward_last_10pct', '.3f')} "
+            f"(first → last 10% of steps), held-out accuracy {num('eval_accuracy_first', '.2f')} → "
+            f"{num('eval_accuracy_last', '.2f')}, staleness max {summary['staleness_max']} "
+            f"(bound {summary['max_staleness']})")
+
+
 def launch(args: argparse.Namespace) -> int:
     from streamrl.config import ConfigError
     from streamrl.runtime.launch import launch as run_launch
@@ -55,11 +68,7 @@ def launch(args: argparse.Namespace) -> int:
         summary = run_launch(config, run_dir, checkpoint)
     except (ConfigError, RunDirError) as exc:  # found once Ray is up (e.g. too few CPUs)
         raise CliError(str(exc)) from exc
-    print(f"{summary['stopped_by']} at step {summary['steps']} after {summary['elapsed_s']:.0f} s: "
-          f"reward {summary['reward_first_10pct']:.3f} → {summary['reward_last_10pct']:.3f} "
-          f"(first → last 10% of steps), held-out accuracy {summary['eval_accuracy_first']:.2f} → "
-          f"{summary['eval_accuracy_last']:.2f}, staleness max {summary['staleness_max']} "
-          f"(bound {summary['max_staleness']})")
+    print(describe_summary(summary))
     print(f"run directory: {run_dir.path}")
     return 130 if summary["stopped_by"] == "interrupted" else 0
 

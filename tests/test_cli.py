@@ -41,3 +41,13 @@ def test_admission_pause_resume_status_against_a_named_queue(capsys):
         ray.kill(queue)
     finally:
         ray.shutdown()
+
+
+def test_the_final_line_handles_a_run_stopped_before_its_first_step():
+    from streamrl.cli import describe_summary
+
+    summary = {"stopped_by": "interrupted", "steps": 0, "elapsed_s": 0.0, "reward_first_10pct": None,
+               "reward_last_10pct": None, "eval_accuracy_first": 0.0, "eval_accuracy_last": None,
+               "staleness_max": 0, "max_staleness": 2}
+    line = describe_summary(summary)
+    assert line.startswith("interrupted at step 0") and "reward n/a → n/a" in line and "0.00 → n/a" in line
