@@ -2,10 +2,11 @@ import pytest
 
 from streamrl.buffer import QueueConfig, ReplayQueue, validate_batch
 from streamrl.engine.sampler import TorchSampler
-from streamrl.models.hf import load_policy, state_arrays
+from streamrl.models.hf import load_policy
 from streamrl.rollout import RolloutProducer
 from streamrl.tasks.reverse import EOS, ReverseDigits
 from streamrl.weights import WeightReceiver, WeightRegistry
+from streamrl.weights.arrays import state_arrays
 
 
 def make_producer(model_dir, queue, registry, task=None, producer_id=0, groups_per_batch=3):

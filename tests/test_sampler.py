@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from streamrl.engine.sampler import LENGTH, STOP, TorchSampler, nucleus_logprobs
-from streamrl.models.hf import load_policy, load_state_arrays, state_arrays
+from streamrl.models.hf import load_policy
 from streamrl.tasks.reverse import EOS
+from streamrl.weights.arrays import load_state_arrays, state_arrays
 
 
 def teacher_forced_logprobs(model, prompt, response, temperature=1.0):

@@ -17,19 +17,23 @@ def synthetic_batch(
     *,
     version: int | Sequence[int] = 0,
     prompt_len: int | tuple[int, int] = 8,
-    response_len: int | tuple[int, int] = 16,
+    response_len: int | tuple[int, int] | np.ndarray = 16,
     vocab_size: int = 32,
     rng: np.random.Generator | None = None,
 ) -> pa.RecordBatch:
     """One batch holding a complete group per ticket.
 
-    Lengths are fixed or drawn uniformly from an inclusive (low, high) range; `version` is the
-    version stamped on every token, or one per ticket.
+    Lengths are fixed, drawn uniformly from an inclusive (low, high) range, or (responses) given per
+    row as an array; `version` is the version stamped on every token, or one per ticket.
     """
     rng = rng or np.random.default_rng(0)
     rows = len(tickets) * group_size
 
-    def lengths(spec: int | tuple[int, int]) -> np.ndarray:
+    def lengths(spec: int | tuple[int, int] | np.ndarray) -> np.ndarray:
+        if isinstance(spec, np.ndarray):
+            if spec.shape != (rows,):
+                raise ValueError(f"lengths of shape {spec.shape} given for {rows} rows")
+            return spec.astype(np.int64)
         if isinstance(spec, tuple):
             return rng.integers(spec[0], spec[1] + 1, size=rows)
         return np.full(rows, spec, dtype=np.int64)

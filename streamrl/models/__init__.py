@@ -1,6 +1,7 @@
-"""Policies in Hugging Face format: the built-in tiny model, loading, and weights as numpy arrays."""
+"""Policies in Hugging Face format: the built-in tiny model and loading (weights move as numpy arrays:
+`streamrl.weights.arrays`)."""
 
-from streamrl.models.hf import load_policy, load_state_arrays, state_arrays
+from streamrl.models.hf import load_policy
 from streamrl.models.tiny import build_tiny_model
 
-__all__ = ["build_tiny_model", "load_policy", "load_state_arrays", "state_arrays"]
+__all__ = ["build_tiny_model", "load_policy"]

@@ -16,8 +16,10 @@ import copy
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -26,6 +28,7 @@ import ray
 from streamrl.buffer.actor import NAMESPACE, fetch_table, get_queue_actor
 from streamrl.buffer.queue import Admission, QueueClosed
 from streamrl.config import RunConfig
+from streamrl.weights.receiver import WeightReceiver
 from streamrl.weights.registry import WeightRegistry
 
 
@@ -83,6 +86,23 @@ def remote_fetch(weights: ray.actor.ActorHandle, holder: int):
     return fetch
 
 
+@contextmanager
+def receiving(receiver: WeightReceiver, weights: ray.actor.ActorHandle, holder: int) -> Iterator[None]:
+    """A producer's generating phase: weights arrive in the background from the first published version
+    on; a queue that closes ends the phase normally (the run is over); leaving releases the holder's
+    weights version."""
+    receiver.start()
+    try:
+        if not receiver.wait_newer(None, timeout=120):
+            raise TimeoutError("no weights were published within 120 s")
+        yield
+    except QueueClosed:
+        pass  # the run is ending: the queue closed while this producer waited for a slot or committed
+    finally:
+        receiver.stop()
+        ray.get(weights.drop_holder.remote(holder), timeout=30)
+
+
 class ProducerActor:
     def __init__(self, run_name: str, producer_id: int, config: dict[str, Any], model_dir: str, seed: int,
                  search_path: str | None = None):
@@ -92,7 +112,6 @@ class ProducerActor:
         from streamrl.models.hf import load_policy, quiet_transformers
         from streamrl.rollout.producer import RolloutProducer
         from streamrl.tasks import make_task
-        from streamrl.weights.receiver import WeightReceiver
 
         quiet_transformers()
         cfg = RunConfig.model_validate(config)
@@ -117,17 +136,9 @@ class ProducerActor:
 
     def run(self) -> dict[str, Any]:
         """Generate until `stop()` or until the queue closes; returns the producer's statistics."""
-        self.receiver.start()
-        try:
-            if not self.receiver.wait_newer(None, timeout=120):
-                raise TimeoutError("no weights were published within 120 s")
+        with receiving(self.receiver, self.weights, self.producer.producer_id):
             while not self._stop.is_set():
                 self.producer.run_once(timeout=0.5)
-        except QueueClosed:
-            pass  # the run is ending: the queue closed while this producer waited for a slot
-        finally:
-            self.receiver.stop()
-            ray.get(self.weights.drop_holder.remote(self.producer.producer_id), timeout=30)
         return self.status()
 
     def stop(self) -> None:
@@ -141,24 +152,23 @@ class ProducerActor:
         return list(self.receiver.history)
 
 
-class TrainerActor:
-    def __init__(self, run_name: str, config: dict[str, Any], model_dir: str, resume_dir: str | None = None,
-                 search_path: str | None = None):
-        import torch
+class Learner(Protocol):
+    """What the trainer shell steps: the torch trainer, or the simulated one in `streamrl.sim`."""
 
-        from streamrl.models.hf import quiet_transformers
-        from streamrl.tasks import make_task
-        from streamrl.trainer.torch_trainer import TorchTrainer
+    version: int
 
-        quiet_transformers()
-        cfg = self.config = RunConfig.model_validate(config)
-        torch.set_num_threads(cfg.trainer.threads)
-        self.trainer = TorchTrainer(model_dir, trainer=cfg.trainer, loss=cfg.loss, group_size=cfg.queue.group_size,
-                                    temperature=cfg.sampling.temperature, seed=cfg.run.seed)
-        if resume_dir is not None:
-            self.trainer.load_optimizer(resume_dir)
-        self.task = make_task(cfg.task, self.trainer.tokenizer, seed=cfg.run.seed, search_path=search_path)
-        self.max_new_tokens = cfg.sampling.max_new_tokens or self.task.max_new_tokens()
+    def train(self, table: pa.Table) -> dict[str, Any]: ...
+
+    def weights(self) -> dict[str, np.ndarray]: ...
+
+
+class TrainerShell:
+    """Steps a learner against the queue and publishes its weights; the backend-independent half of
+    the trainer actor."""
+
+    def __init__(self, run_name: str, learner: Learner, *, groups_per_step: int, get_timeout_s: float):
+        self.trainer = learner
+        self.groups_per_step, self.get_timeout_s = groups_per_step, get_timeout_s
         self.queue = get_queue_actor(run_name)
         self.weights = ray.get_actor(actor_name(run_name, "weights"), namespace=NAMESPACE)
         self._cancel = threading.Event()
@@ -176,11 +186,9 @@ class TrainerActor:
 
         The previous publication is awaited first: it has had a whole step to finish, so this costs
         nothing, keeps versions arriving in order at the (threaded) weights actor, and raises its error."""
-        from streamrl.models.hf import state_arrays
-
         if self._last_publish is not None:
             ray.get(self._last_publish)
-        ref = ray.put(state_arrays(self.trainer.model, copy=False))  # put copies before returning
+        ref = ray.put(self.trainer.weights())  # put copies before returning
         self._last_publish = self.weights.publish.remote(self.trainer.version, [ref])  # in a list: by reference
         return self.trainer.version
 
@@ -189,15 +197,14 @@ class TrainerActor:
         None when `cancel_step` was called before any group was taken."""
         started = time.perf_counter()
         self._cancel.clear()
-        deadline = started + self.config.trainer.get_timeout_s
+        deadline = started + self.get_timeout_s
         groups = None
         while groups is None:  # short waits, so a cancel is seen while admission is paused
             if self._cancel.is_set():
                 return None
             if time.perf_counter() > deadline:
-                raise TimeoutError(f"no batch of {self.config.queue.groups_per_step} groups arrived within "
-                                   f"{self.config.trainer.get_timeout_s} s (are producers running, or is "
-                                   "admission paused?)")
+                raise TimeoutError(f"no batch of {self.groups_per_step} groups arrived within "
+                                   f"{self.get_timeout_s} s (are producers running, or is admission paused?)")
             groups = ray.get(self.queue.get.remote(None, 0.5))
         if groups.version != self.trainer.version:
             raise RuntimeError(f"the queue is at version {groups.version}, the trainer at {self.trainer.version}")
@@ -218,12 +225,36 @@ class TrainerActor:
             "reward_std": float(rewards.std()),
             "staleness_mean": float(np.mean(groups.staleness)),
             "staleness_max": int(max(groups.staleness)),
+            "staleness": list(groups.staleness),
             "trainer_wait_s": waited,
             "step_s": time.perf_counter() - started,
+            "ended_at": time.time(),
             "group_ids": [g.group_id for g in groups.groups],
             "prompt_ids": [g.prompt_id for g in groups.groups],
             "producer_ids": [g.producer_id for g in groups.groups],
         }
+
+
+class TrainerActor(TrainerShell):
+    def __init__(self, run_name: str, config: dict[str, Any], model_dir: str, resume_dir: str | None = None,
+                 search_path: str | None = None):
+        import torch
+
+        from streamrl.models.hf import quiet_transformers
+        from streamrl.tasks import make_task
+        from streamrl.trainer.torch_trainer import TorchTrainer
+
+        quiet_transformers()
+        cfg = self.config = RunConfig.model_validate(config)
+        torch.set_num_threads(cfg.trainer.threads)
+        trainer = TorchTrainer(model_dir, trainer=cfg.trainer, loss=cfg.loss, group_size=cfg.queue.group_size,
+                               temperature=cfg.sampling.temperature, seed=cfg.run.seed)
+        if resume_dir is not None:
+            trainer.load_optimizer(resume_dir)
+        super().__init__(run_name, trainer, groups_per_step=cfg.queue.groups_per_step,
+                         get_timeout_s=cfg.trainer.get_timeout_s)
+        self.task = make_task(cfg.task, trainer.tokenizer, seed=cfg.run.seed, search_path=search_path)
+        self.max_new_tokens = cfg.sampling.max_new_tokens or self.task.max_new_tokens()
 
     def evaluate(self, limit: int | None = None) -> dict[str, float]:
         return self.trainer.evaluate(self.task, limit=limit or self.config.task.eval_size,

@@ -256,7 +256,7 @@ class Run:
         self.step = result["version"]
         self.trained_tokens += result["trained_tokens"]
         queue = ray.get(self.queue.status.remote())
-        audit = {k: result.pop(k) for k in ("group_ids", "prompt_ids", "producer_ids")}
+        audit = {k: result.pop(k) for k in ("group_ids", "prompt_ids", "producer_ids", "staleness")}
         metrics = {
             "step": self.step,
             "version": result.pop("version"),

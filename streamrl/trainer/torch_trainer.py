@@ -36,6 +36,7 @@ from streamrl.correction import (
 from streamrl.engine.sampler import TorchSampler
 from streamrl.models.hf import load_policy
 from streamrl.tasks import Task
+from streamrl.weights.arrays import state_arrays
 
 
 def micro_batches(lengths: np.ndarray, token_budget: int) -> Iterator[np.ndarray]:
@@ -114,6 +115,10 @@ class TorchTrainer:
         totals.update(grad_norm=float(grad_norm), response_tokens=tokens, trained_tokens=int(lengths.sum()),
                       train_s=time.perf_counter() - start)
         return totals
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """Views of the live weights as numpy arrays, for a consumer that copies at once (`ray.put`)."""
+        return state_arrays(self.model, copy=False)
 
     @torch.no_grad()
     def evaluate(self, task: Task, *, limit: int | None = None, max_new_tokens: int) -> dict[str, float]:

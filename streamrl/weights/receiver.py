@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from streamrl.models.hf import load_state_arrays
+from streamrl.weights.arrays import load_state_arrays
 
 # fetch(have, timeout): newer weights than `have`, waiting up to `timeout` seconds for them (a long poll).
 Fetch = Callable[[int | None, float], tuple[int, dict[str, np.ndarray]] | None]

@@ -1,0 +1,103 @@
+"""A continuous-batching engine whose arithmetic is replaced by the timing model of `SimWorkload`.
+
+```
+ add(key, prompt, n):  n sequences join (lengths drawn now); their prefill is charged to the next step
+ step(version):        sleep (prefill owed + decode_step_s(active)) · time_scale, then every active
+                       sequence has one more token stamped `version`; returns the sequences that ended
+```
+Everything around it is real: the weights it holds are a tensor of `weights_mb` that the producer's
+receiver really copies and swaps, and its samples become real Arrow batches. Pacing is by deadline
+(a step starts when the previous one ended or, if the host was late, when it asks), so the host's
+own overhead counts against throughput exactly as it would against a GPU it keeps waiting.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from streamrl.engine.sampler import LENGTH, STOP
+from streamrl.rollout.continuous import FinishedSample
+from streamrl.sim.workload import SimWorkload
+
+
+def weights_module(workload: SimWorkload) -> torch.nn.Module:
+    """The simulated policy's weights: one float32 tensor of `weights_mb`."""
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(torch.zeros(int(workload.weights_mb * 2**20) // 4), requires_grad=False)
+    return module
+
+
+class SimEngine:
+    def __init__(self, workload: SimWorkload, *, seed: int = 0, sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.workload = workload
+        self.capacity = workload.sequences_per_producer
+        self.model = weights_module(workload)
+        self._rng = np.random.default_rng(seed)
+        self._sleep, self._clock = sleep, clock
+        self._steps = 0
+        self._version_from: list[int] = []  # decode step at which each logged version began
+        self._version_of: list[int] = []
+        self._running: dict[tuple[int, int], tuple[int, int]] = {}  # (key, index) -> (first step, length)
+        self._ends: list[tuple[int, int, int]] = []  # heap of (step it ends at, key, index)
+        self._prefill_owed_s = 0.0
+        self._last_end: float | None = None
+
+    @property
+    def active(self) -> int:
+        return len(self._running)
+
+    def add(self, key: int, prompt: Sequence[int], n: int) -> None:
+        if self.active + n > self.capacity:
+            raise ValueError(f"engine full: {self.active} + {n} sequences > capacity {self.capacity}")
+        self._prefill_owed_s += len(prompt) * self.workload.prefill_per_token_s  # once: the prefix is shared
+        for index, length in enumerate(self.workload.sample_lengths(self._rng, n)):
+            self._running[(key, index)] = (self._steps, int(length))
+            heapq.heappush(self._ends, (self._steps + int(length), key, index))
+
+    def step(self, version: int) -> list[FinishedSample]:
+        """One decode step (with any prefill owed); the sequences that produced their last token."""
+        if not self._running:
+            raise RuntimeError("step() with no active sequence")
+        model_s = self._prefill_owed_s + self.workload.decode_step_s(self.active)
+        self._prefill_owed_s = 0.0
+        self._pace(model_s * self.workload.time_scale)
+        if not self._version_of or self._version_of[-1] != version:
+            self._version_from.append(self._steps)
+            self._version_of.append(version)
+        self._steps += 1
+        finished = []
+        while self._ends and self._ends[0][0] <= self._steps:
+            _, key, index = heapq.heappop(self._ends)
+            finished.append(self._finish(key, index))
+        return finished
+
+    def _pace(self, seconds: float) -> None:
+        now = self._clock()
+        start = now if self._last_end is None else max(now, self._last_end)
+        self._last_end = start + seconds
+        if self._last_end > now:
+            self._sleep(self._last_end - now)
+
+    def _finish(self, key: int, index: int) -> FinishedSample:
+        first, length = self._running.pop((key, index))
+        steps = np.arange(first, first + length)
+        log = np.searchsorted(np.asarray(self._version_from), steps, side="right") - 1
+        return FinishedSample(
+            key=key, index=index,
+            tokens=self._rng.integers(0, self.workload.vocab_size, size=length, dtype=np.int32),
+            logprobs=-self._rng.exponential(1.0, size=length).astype(np.float32),
+            versions=np.asarray(self._version_of, dtype=np.int32)[log],
+            finish=LENGTH if length >= self.workload.max_tokens else STOP,
+        )
+
+    def abort(self) -> None:
+        """Drop every running sequence (the producer gives their groups back to the queue)."""
+        self._running.clear()
+        self._ends.clear()
+        self._prefill_owed_s = 0.0

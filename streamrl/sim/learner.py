@@ -1,0 +1,37 @@
+"""The trainer's arithmetic replaced by the timing model: a step takes `train_s_per_token` per
+response token (scaled), then the weights of `weights_mb` are published for real by the shell."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from streamrl.sim.engine import weights_module
+from streamrl.sim.workload import SimWorkload
+from streamrl.weights.arrays import state_arrays
+
+
+class SimLearner:
+    def __init__(self, workload: SimWorkload, version: int = 0):
+        self.workload = workload
+        self.version = version
+        self.model = weights_module(workload)
+        self.seconds_per_token = workload.calibrated_train_s_per_token() * workload.time_scale
+
+    def train(self, table: pa.Table) -> dict[str, float]:
+        started = time.perf_counter()
+        response_tokens = int(pc.sum(pc.list_value_length(table.column("response_ids"))).as_py())
+        prompt_tokens = int(pc.sum(pc.list_value_length(table.column("prompt_ids"))).as_py())
+        time.sleep(response_tokens * self.seconds_per_token)
+        self.version += 1
+        with torch.no_grad():
+            self.model.weight[0] = self.version  # new contents each version, as after a real optimizer step
+        return {"response_tokens": response_tokens, "trained_tokens": response_tokens + prompt_tokens,
+                "samples": table.num_rows, "train_s": time.perf_counter() - started}
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return state_arrays(self.model, copy=False)

@@ -1,0 +1,78 @@
+"""The simulated workload: a calibrated timing model of an inference engine and a trainer.
+
+```
+ producer (continuous batching, up to `sequences_per_producer` at once)
+   a group joins:  prefill `prompt_tokens` once (shared prefix), then G sequences decode
+   decode step:    decode_base_s + decode_per_seq_s · active  → one token for every active sequence
+   lengths:        lognormal, median `median_tokens`, 99th percentile `p99_ratio` × median, ≤ max_tokens
+ trainer:  train_s_per_token · response tokens per step (default: calibrated so that training alone
+           runs at the rate generation alone does), then the real weight publish of `weights_mb`
+```
+All times are model seconds; `time_scale` real seconds pass per model second, so a run is short
+while the orchestration (Ray calls, Arrow batches, the queue, weight transfers) runs at real speed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+Z_99 = 2.3263478740408408  # standard normal 99th percentile
+
+
+class SimWorkload(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    producers: int = Field(4, ge=1)
+    sequences_per_producer: int = Field(32, ge=1)
+    """Continuous-batching slots of one engine."""
+    group_size: int = Field(4, ge=1)
+    groups_per_step: int = Field(32, ge=1)
+    prompt_tokens: int = Field(128, ge=1)
+    median_tokens: float = Field(256, gt=0)
+    p99_ratio: float = Field(8.0, ge=1)
+    """Tail heaviness: the 99th percentile of response length over the median (1 = every response
+    the same length)."""
+    max_tokens: int = Field(4096, ge=1)
+    decode_base_s: float = Field(0.016, ge=0)
+    decode_per_seq_s: float = Field(0.000125, ge=0)
+    prefill_per_token_s: float = Field(0.00005, ge=0)
+    train_s_per_token: float | None = Field(None, ge=0)
+    """None: calibrated to generation alone (`calibrated_train_s_per_token`)."""
+    weights_mb: float = Field(32, gt=0)
+    time_scale: float = Field(0.1, gt=0)
+    vocab_size: int = Field(1024, ge=2)
+
+    @property
+    def sigma(self) -> float:
+        return math.log(self.p99_ratio) / Z_99
+
+    def sample_lengths(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        lengths = np.rint(self.median_tokens * np.exp(self.sigma * rng.standard_normal(n)))
+        return np.clip(lengths, 1, self.max_tokens).astype(np.int64)
+
+    def mean_length(self) -> float:
+        """E[min(X, cap)] of the lognormal, in closed form (rounding ignored)."""
+        mu, s, cap = math.log(self.median_tokens), self.sigma, self.max_tokens
+        if s == 0:
+            return min(self.median_tokens, cap)
+        phi = lambda x: 0.5 * (1 + math.erf(x / math.sqrt(2)))  # noqa: E731
+        z = (math.log(cap) - mu) / s
+        return math.exp(mu + s * s / 2) * phi(z - s) + cap * (1 - phi(z))
+
+    def decode_step_s(self, active: int) -> float:
+        return self.decode_base_s + self.decode_per_seq_s * active
+
+    def generation_tokens_per_s(self) -> float:
+        """Model-time tokens/s of every engine kept full: decode steps plus each group's prefill."""
+        slots = self.sequences_per_producer
+        per_token = self.decode_step_s(slots) / slots
+        per_token += self.prompt_tokens * self.prefill_per_token_s / (self.group_size * self.mean_length())
+        return self.producers / per_token
+
+    def calibrated_train_s_per_token(self) -> float:
+        if self.train_s_per_token is not None:
+            return self.train_s_per_token
+        return 1.0 / self.generation_tokens_per_s()

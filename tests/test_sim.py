@@ -1,0 +1,136 @@
+"""The simulated workload, its engine, and the continuous-batching producer driving the real queue."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from streamrl.buffer import QueueConfig, ReplayQueue, validate_batch
+from streamrl.buffer.queue import assemble
+from streamrl.engine.sampler import LENGTH, STOP
+from streamrl.rollout.continuous import ContinuousProducer
+from streamrl.sim.engine import SimEngine
+from streamrl.sim.learner import SimLearner
+from streamrl.sim.task import SimTask
+from streamrl.sim.workload import SimWorkload
+from streamrl.weights import WeightReceiver, WeightRegistry
+
+FAST = SimWorkload(producers=1, sequences_per_producer=8, group_size=4, groups_per_step=4, prompt_tokens=6,
+                   median_tokens=12, p99_ratio=4, max_tokens=48, weights_mb=0.01, time_scale=0.002, vocab_size=64)
+
+
+def test_lengths_have_the_configured_median_tail_and_cap():
+    work = SimWorkload()
+    lengths = work.sample_lengths(np.random.default_rng(0), 200_000)
+    median = np.median(lengths)
+    assert median == pytest.approx(256, rel=0.02)
+    assert np.percentile(lengths, 99) / median == pytest.approx(8, rel=0.05)
+    assert lengths.max() <= 4096 and lengths.min() >= 1
+    assert lengths.mean() == pytest.approx(work.mean_length(), rel=0.01)
+    flat = SimWorkload(p99_ratio=1).sample_lengths(np.random.default_rng(0), 100)
+    assert set(flat) == {256}
+
+
+def test_training_alone_is_calibrated_to_generation_alone():
+    work = SimWorkload()
+    assert work.calibrated_train_s_per_token() * work.generation_tokens_per_s() == pytest.approx(1.0)
+    assert SimWorkload(train_s_per_token=0.5).calibrated_train_s_per_token() == 0.5
+
+
+def test_engine_stamps_each_token_with_the_version_of_its_step_and_sleeps_the_model_time():
+    slept = []
+    engine = SimEngine(FAST.model_copy(update={"time_scale": 1.0}), seed=1, sleep=slept.append,
+                       clock=lambda: 0.0)
+    engine.add(7, [1] * 6, 4)
+    with pytest.raises(ValueError, match="engine full"):
+        engine.add(8, [1] * 6, 5)
+    done, step = [], 0
+    while engine.active:
+        done += engine.step(version=step // 5)
+        step += 1
+    assert slept[0] == pytest.approx(6 * FAST.prefill_per_token_s + FAST.decode_step_s(4))
+    assert sorted(s.index for s in done) == [0, 1, 2, 3] and {s.key for s in done} == {7}
+    for sample in done:
+        assert len(sample.tokens) == len(sample.logprobs) == len(sample.versions)
+        assert list(sample.versions) == [i // 5 for i in range(len(sample.tokens))]
+        assert sample.finish == (LENGTH if len(sample.tokens) == FAST.max_tokens else STOP)
+    assert step == max(len(s.tokens) for s in done)
+
+
+def make_producer(queue, registry, work=FAST, producer_id=0):
+    engine = SimEngine(work, seed=producer_id)
+    receiver = WeightReceiver(lambda have, timeout: registry.acquire(producer_id, have, timeout),
+                              standby=SimEngine(work).model)
+    receiver.fetch_now()
+    receiver.start()
+    return ContinuousProducer(producer_id, queue=queue, receiver=receiver, engine=engine, task=SimTask(work),
+                              group_size=work.group_size, admit_timeout=0.02)
+
+
+def test_continuous_producer_feeds_a_trainer_within_the_budget_and_loses_nothing():
+    eta = 1
+    queue = ReplayQueue(QueueConfig(group_size=4, groups_per_step=4, max_staleness=eta, max_in_flight=16))
+    registry = WeightRegistry()
+    learner = SimLearner(FAST)
+    registry.publish(0, learner.weights())
+    producers = [make_producer(queue, registry, producer_id=i) for i in range(2)]
+    stop = threading.Event()
+    errors = []
+
+    def run(producer):
+        try:
+            producer.run(stop)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in producers]
+    for t in threads:
+        t.start()
+    consumed = []
+    try:
+        for _ in range(12):
+            got = queue.get(timeout=30)
+            assert got is not None, "the producers stopped feeding the trainer"
+            table = got.groups[0].payload
+            validate_batch(table, group_size=4, trainer_version=got.version)
+            assert max(got.staleness) <= eta
+            consumed += [(g.group_id, g.prompt_id) for g in got.groups]
+            learner.train(assemble(got.groups))
+            queue.set_version(learner.version)
+            registry.publish(learner.version, learner.weights())
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        for p in producers:
+            p.receiver.stop()
+    assert not errors
+    assert max(p.receiver.version for p in producers) >= 10  # weights really streamed mid-generation
+    assert all(p.stats["weight_updates"] > 0 for p in producers)
+    status = queue.status()
+    assert status["running"] == 0  # the producers gave back what they had not finished
+    ids = [g for g, _ in consumed]
+    assert len(ids) == len(set(ids)) == 48
+    prompts = [p for _, p in consumed] + [g.prompt_id for g in queue.queued_groups()] + queue.returned_prompts()
+    assert sorted(prompts) == list(range(status["prompt_cursor"]))  # every prompt exactly once
+
+
+def test_a_failed_commit_gives_the_groups_back_and_stops_the_producer():
+    queue = ReplayQueue(QueueConfig(group_size=4, groups_per_step=4, max_staleness=1, max_in_flight=16))
+    registry = WeightRegistry()
+    registry.publish(0, SimLearner(FAST).weights())
+
+    class Refusing:
+        def __init__(self):
+            self.admit, self.abandon = queue.admit, queue.abandon
+
+        def commit(self, batch):
+            raise ConnectionError("queue actor unreachable")
+
+    producer = make_producer(Refusing(), registry)
+    with pytest.raises(ConnectionError, match="unreachable"):
+        producer.run(threading.Event())
+    producer.receiver.stop()
+    status = queue.status()
+    assert status["running"] == 0 and status["committed"] == 0
+    assert status["abandoned"] == status["admitted"] > 0
