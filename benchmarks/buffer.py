@@ -9,9 +9,6 @@ shared machine. Batches are 4,096 samples of ~512 response tokens (lengths drawn
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
 from pathlib import Path
 
@@ -20,13 +17,16 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
+from streamrl.benchreport import BASELINES, Target, finish
 from streamrl.buffer import QueueConfig, ReplayQueue, assemble
 from streamrl.buffer.actor import create_queue_actor, fetch_table
 from streamrl.buffer.synthetic import synthetic_batch
 
 SAMPLES, GROUP = 4096, 8
 GROUPS = SAMPLES // GROUP
-TARGETS = {"put_get_vs_memcpy": 0.25, "admit_per_s": 100_000, "ray_admit_slots_per_s": 10_000}
+TARGETS = [Target("put_get_vs_memcpy", ">=", 0.25), Target("admit_per_s", ">=", 100_000),
+           Target("ray_admit_slots_per_s", ">=", 10_000)]
+HEADLINE = ["put_get_gbps", "admit_per_s", "ray_admit_slots_per_s", "ray_gbps"]
 
 
 def big_config() -> QueueConfig:
@@ -140,31 +140,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--ray-batches", type=int, default=8)
+    parser.add_argument("--baseline", type=Path, help="report to compare with (default: the stored baseline)")
     args = parser.parse_args()
 
     results = {**bench_put_get(args.repeats), **bench_admit(args.seconds),
                **bench_ray(args.ray_batches, args.seconds)}
     results["put_get_vs_memcpy"] = results["put_get_gbps"] / results["memcpy_gbps"]
-    report = {
-        "benchmark": "buffer",
-        "workload": {"samples_per_batch": SAMPLES, "group_size": GROUP, "response_tokens": "384-640",
-                     "prompt_tokens": "32-96", "vocab_size": 151_936},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "ray": ray.__version__},
-        "results": results,
-        "targets": {k: {"target": v, "measured": results[k], "met": results[k] >= v} for k, v in TARGETS.items()},
-        **results,
-    }
     table = Table(title="streamrl replay queue")
-    for column in ("metric", "value", "target"):
-        table.add_column(column)
+    for column in ("metric", "value"):
+        table.add_column(column, justify="right")
     for key, value in results.items():
-        target = TARGETS.get(key)
-        table.add_row(key, f"{value:,.3f}", "" if target is None else f">= {target:,} "
-                      + ("(met)" if value >= target else "(MISSED)"))
-    Console().print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+        table.add_row(key, f"{value:,.3f}")
+    Console(width=150).print(table)
+    workload = {"samples_per_batch": SAMPLES, "group_size": GROUP, "response_tokens": "384-640",
+                "prompt_tokens": "32-96", "vocab_size": 151_936}
+    finish("buffer", args.out, workload=workload, results=results, targets=TARGETS, headline=HEADLINE,
+           baseline=args.baseline or BASELINES / "baseline_buffer.json")
 
 
 if __name__ == "__main__":

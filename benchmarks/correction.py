@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from streamrl.benchreport import BASELINES, Target, finish
+
 BATCH, LENGTH, VOCAB, CHUNK = 16, 1024, 32_768, 1024
 
 
@@ -59,6 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/correction.json"))
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--baseline", type=Path, help="report to compare with (default: the stored baseline)")
     parser.add_argument("--worker", choices=["naive", "chunked"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -73,21 +76,13 @@ def main() -> None:
         "naive_time_s": naive["time_s"], "chunked_time_s": chunked["time_s"],
         "peak_ratio": chunked["peak_mb"] / naive["peak_mb"], "time_ratio": chunked["time_s"] / naive["time_s"],
     }
-    targets = {"peak_ratio": ("<=", 0.25), "time_ratio": ("<=", 1.5)}
-    print(f"{'metric':<18}{'value':>12}  target")
     for key, value in results.items():
-        target = targets.get(key)
-        note = f"{target[0]} {target[1]} ({'met' if value <= target[1] else 'MISSED'})" if target else ""
-        print(f"{key:<18}{value:>12.3f}  {note}")
-    report = {
-        "benchmark": "correction",
-        "workload": {"batch": BATCH, "length": LENGTH, "vocab": VOCAB, "chunk_rows": CHUNK, "dtype": "float32"},
-        **results,
-        "targets": {k: {"target": f"{op} {v}", "met": results[k] <= v} for k, (op, v) in targets.items()},
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+        print(f"{key:<18}{value:>12.3f}")
+    workload = {"batch": BATCH, "length": LENGTH, "vocab": VOCAB, "chunk_rows": CHUNK, "dtype": "float32"}
+    finish("correction", args.out, workload=workload, results=results,
+           targets=[Target("peak_ratio", "<=", 0.25), Target("time_ratio", "<=", 1.5)],
+           headline=["chunked_peak_mb", "chunked_time_s"],
+           baseline=args.baseline or BASELINES / "baseline_correction.json")
 
 
 if __name__ == "__main__":

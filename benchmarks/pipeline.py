@@ -30,7 +30,14 @@ from rich.table import Table
 
 from streamrl.benchreport import BASELINES, Target, finish
 from streamrl.config import ConfigError, apply_overrides
-from streamrl.sim.pipeline import Schedule, generation_alone, measure_schedule, standard_schedules, training_alone
+from streamrl.sim.pipeline import (
+    Schedule,
+    SimPool,
+    generation_alone,
+    measure_schedule,
+    standard_schedules,
+    training_alone,
+)
 from streamrl.sim.workload import SimWorkload
 
 TARGETS = [Target("speedup_async_vs_sync", ">=", 2.5), Target("speedup_async_vs_one_step", ">=", 1.3),
@@ -41,29 +48,30 @@ HEADLINE = ["sync.tokens_per_s", "one_step.tokens_per_s", "async.tokens_per_s", 
 def pacing(schedule: Schedule, window_s: float) -> dict[str, Any]:
     """Warm-up and minimum steps: a synchronous step lasts as long as its longest response, so it
     needs fewer, longer steps than the streaming schedules to fill the same window."""
-    if schedule.name == "sync" or schedule.max_staleness == 0:
-        return {"warmup_steps": 1, "min_steps": 4, "window_s": window_s}
+    if schedule.max_staleness == 0:
+        return {"warmup_steps": 1, "min_steps": 4, "window_s": 0.0}
     if schedule.admission == "per_step":
-        return {"warmup_steps": 2, "min_steps": 4, "window_s": window_s}
+        return {"warmup_steps": 2, "min_steps": 4, "window_s": 0.0}
     return {"warmup_steps": 3 + schedule.max_staleness, "min_steps": 8, "window_s": window_s}
 
 
-def run_schedules(work: SimWorkload, eta: int, window_s: float, console: Console) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    console.print(f"generation alone ({window_s:.0f} s) ...")
-    results["generation_alone"] = generation_alone(work, warmup_s=3.0, window_s=window_s / 2)
-    console.print("training alone ...")
-    results["training_alone"] = training_alone(work, steps=10)
+def run_schedules(pool: SimPool, work: SimWorkload, eta: int, window_s: float, console: Console) -> dict[str, Any]:
+    phases = {"generation_alone": lambda: generation_alone(pool, work, warmup_s=3.0, window_s=window_s / 2),
+              "training_alone": lambda: training_alone(pool, work, steps=10)}
     for schedule in standard_schedules(eta):
-        console.print(f"{schedule.name} (η = {schedule.max_staleness}, {schedule.admission}) ...")
-        results[schedule.name] = measure_schedule(work, schedule, **pacing(schedule, window_s))
+        phases[schedule.name] = lambda s=schedule: measure_schedule(pool, work, s, **pacing(s, window_s))
+    results: dict[str, Any] = {}
+    for name, measure in phases.items():
+        started = time.time()
+        results[name] = {**measure(), "phase_wall_s": time.time() - started}
+        console.print(f"{name}: {results[name]['tokens_per_s']:,.0f} tokens/s ({results[name]['phase_wall_s']:.0f} s)")
     return results
 
 
 def print_schedules(results: dict[str, Any], console: Console, title: str) -> None:
     table = Table(title=title)
     for column in ("schedule", "η", "tokens/s", "samples/s", "vs ideal", "trainer busy", "producer busy",
-                   "staleness mean/max", "stall/update", "regenerated"):
+                   "staleness mean/max", "stall/update", "wasted"):
         table.add_column(column, justify="right")
     for name in ("sync", "one_step", "async"):
         r = results[name]
@@ -71,7 +79,7 @@ def print_schedules(results: dict[str, Any], console: Console, title: str) -> No
         table.add_row(name, str(r["max_staleness"]), f"{r['tokens_per_s']:,.0f}", f"{r['samples_per_s']:,.1f}",
                       f"{r['tokens_per_s'] / results['ideal_tokens_per_s']:.2f}", f"{r['trainer_busy']:.0%}",
                       f"{r['producer_busy']:.0%}", f"{r['staleness']['mean']:.2f} / {r['staleness']['max']}",
-                      f"{stall.get('median', 0) * 1e3:.2f} ms", str(r["regenerated_groups"]))
+                      f"{stall.get('median', 0) * 1e3:.2f} ms", f"{max(r['wasted_fraction'], 0):.0%}")
     gen, train = results["generation_alone"], results["training_alone"]
     table.add_row("gen alone", "∞", f"{gen['tokens_per_s']:,.0f}", "", "", "", f"{gen['producer_busy']:.0%}",
                   "", "", "")
@@ -82,8 +90,8 @@ def print_schedules(results: dict[str, Any], console: Console, title: str) -> No
                   f"{results['speedup_async_vs_one_step']:.2f}x · async efficiency {results['efficiency_async']:.2f}")
 
 
-def sweep(base: SimWorkload, etas: list[int], tails: list[float], producer_counts: list[int], window_s: float,
-          console: Console) -> dict[str, Any]:
+def sweep(pool: SimPool, base: SimWorkload, etas: list[int], tails: list[float], producer_counts: list[int],
+          window_s: float, console: Console) -> dict[str, Any]:
     """Throughput against η for each schedule, per tail heaviness and producer count. The trainer's
     speed stays calibrated to the default workload, so more producers means generation outruns it."""
     points = []
@@ -97,7 +105,7 @@ def sweep(base: SimWorkload, etas: list[int], tails: list[float], producer_count
                                              for eta in etas if eta > 0]
         for schedule in schedules:
             started = time.time()
-            r = measure_schedule(work, schedule, **pacing(schedule, window_s))
+            r = measure_schedule(pool, work, schedule, **pacing(schedule, window_s))
             point = {"p99_ratio": work.p99_ratio, "producers": work.producers, **r}
             points.append(point)
             console.print(f"{field}={value} {schedule.name} η={schedule.max_staleness}: "
@@ -181,6 +189,8 @@ def torch_measure(schedule: Schedule, metrics: list[dict], summary: dict, warmup
                       "max": max(m["staleness_max"] for m in window), "histogram": {}},
         "stall_per_update_s": {},
         "regenerated_groups": summary["queue"]["over_budget"],
+        "aborted_groups": 0,
+        "wasted_fraction": 1 - sum(m["response_tokens"] for m in metrics) / max(1, generated),
     }
 
 
@@ -202,7 +212,7 @@ def sim_workload(overrides: list[str]) -> SimWorkload:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=["sim", "torch"], default="sim")
-    parser.add_argument("--eta", type=int, default=4, help="the async schedule's staleness budget")
+    parser.add_argument("--eta", type=int, default=8, help="the async schedule's staleness budget")
     parser.add_argument("--window-s", type=float, default=25.0, help="measured seconds per schedule (sim)")
     parser.add_argument("--steps", type=int, default=40, help="train steps per schedule (torch)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -218,7 +228,7 @@ def main() -> None:
     if args.sweep and args.engine != "sim":
         parser.error("--sweep runs the sim engine")
 
-    console = Console()
+    console = Console(width=150)  # the tables stay whole in logs and pipes
     started = time.time()
     if args.engine == "torch":
         warmup = max(2, args.steps // 8)
@@ -233,11 +243,13 @@ def main() -> None:
         ray.init(num_cpus=2, include_dashboard=False, namespace="streamrl", logging_level="WARNING",
                  log_to_driver=False)
         try:
+            pool = SimPool()
             if args.sweep:
-                results = sweep(work, args.sweep_etas, args.sweep_tails, args.sweep_producers, args.window_s / 2,
-                                console)
+                results = sweep(pool, work, args.sweep_etas, args.sweep_tails, args.sweep_producers,
+                                args.window_s / 2, console)
             else:
-                results = run_schedules(work, args.eta, args.window_s, console)
+                results = run_schedules(pool, work, args.eta, args.window_s, console)
+            pool.close()
         finally:
             ray.shutdown()
     results["wall_s"] = time.time() - started

@@ -72,7 +72,7 @@ def finish(name: str, out: Path, *, workload: dict[str, Any], results: dict[str,
     checked = {t.key: t.check(results) for t in targets}
     report = {"benchmark": name, "machine": machine(), "workload": workload, "results": results,
               "targets": checked, **(extra or {})}
-    console = Console()
+    console = Console(width=150)
     if checked:
         table = Table(title=f"{name}: targets")
         for column in ("metric", "measured", "target", ""):

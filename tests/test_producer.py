@@ -5,8 +5,9 @@ from streamrl.engine.sampler import TorchSampler
 from streamrl.models.hf import load_policy
 from streamrl.rollout import RolloutProducer
 from streamrl.tasks.reverse import EOS, ReverseDigits
-from streamrl.weights import WeightReceiver, WeightRegistry
 from streamrl.weights.arrays import state_arrays
+from streamrl.weights.receiver import WeightReceiver
+from streamrl.weights.registry import WeightRegistry
 
 
 def make_producer(model_dir, queue, registry, task=None, producer_id=0, groups_per_batch=3):

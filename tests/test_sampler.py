@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from streamrl.engine.sampler import LENGTH, STOP, TorchSampler, nucleus_logprobs
+from streamrl.buffer.schema import LENGTH, STOP
+from streamrl.engine.sampler import TorchSampler, nucleus_logprobs
 from streamrl.models.hf import load_policy
 from streamrl.tasks.reverse import EOS
 from streamrl.weights.arrays import load_state_arrays, state_arrays

@@ -2,7 +2,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from streamrl.buffer import TRAJECTORY_SCHEMA, Ticket, build_batch, to_padded
+from streamrl.buffer import TRAJECTORY_SCHEMA, Ticket, build_batch
+from streamrl.buffer.padded import to_padded
 from streamrl.buffer.schema import SCHEMA_VERSION_KEY
 from streamrl.buffer.synthetic import synthetic_batch
 

@@ -1,19 +1,22 @@
 """The simulated workload, its engine, and the continuous-batching producer driving the real queue."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from streamrl.buffer import QueueConfig, ReplayQueue, validate_batch
 from streamrl.buffer.queue import assemble
-from streamrl.engine.sampler import LENGTH, STOP
+from streamrl.buffer.schema import LENGTH, STOP
 from streamrl.rollout.continuous import ContinuousProducer
 from streamrl.sim.engine import SimEngine
 from streamrl.sim.learner import SimLearner
+from streamrl.sim.pipeline import Schedule, SimPool, generation_alone, measure_schedule, training_alone
 from streamrl.sim.task import SimTask
 from streamrl.sim.workload import SimWorkload
-from streamrl.weights import WeightReceiver, WeightRegistry
+from streamrl.weights.receiver import WeightReceiver
+from streamrl.weights.registry import WeightRegistry
 
 FAST = SimWorkload(producers=1, sequences_per_producer=8, group_size=4, groups_per_step=4, prompt_tokens=6,
                    median_tokens=12, p99_ratio=4, max_tokens=48, weights_mb=0.01, time_scale=0.002, vocab_size=64)
@@ -134,3 +137,64 @@ def test_a_failed_commit_gives_the_groups_back_and_stops_the_producer():
     status = queue.status()
     assert status["running"] == 0 and status["committed"] == 0
     assert status["abandoned"] == status["admitted"] > 0
+
+
+@pytest.fixture(scope="module")
+def sim_pool(ray_local):
+    pool = SimPool()
+    yield pool
+    pool.close()
+
+
+TINY = SimWorkload(producers=2, sequences_per_producer=8, group_size=4, groups_per_step=4, prompt_tokens=8,
+                   median_tokens=16, p99_ratio=4, max_tokens=64, weights_mb=0.05, time_scale=0.02, vocab_size=64)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("schedule", [Schedule("sync", 0), Schedule("one_step", 1, "per_step"), Schedule("async", 2)],
+                         ids=lambda s: s.name)
+def test_each_schedule_runs_through_the_real_actors_within_its_budget(sim_pool, schedule):
+    r = measure_schedule(sim_pool, TINY, schedule, warmup_steps=2, min_steps=4, window_s=0.5, max_s=60)
+    assert r["steps_measured"] >= 4 and r["tokens_per_s"] > 0 and r["samples_per_s"] > 0
+    assert r["staleness"]["max"] <= schedule.max_staleness
+    assert sum(r["staleness"]["histogram"].values()) == r["steps_measured"] * TINY.groups_per_step
+    assert 0 < r["trainer_busy"] <= 1 and 0 < r["producer_busy"] <= 1
+    assert r["stall_per_update_s"]["count"] > 0  # the producers switched weights while generating
+
+
+@pytest.mark.ray
+def test_generation_and_training_alone_measure_positive_rates(sim_pool):
+    gen = generation_alone(sim_pool, TINY, warmup_s=0.5, window_s=1.0)
+    train = training_alone(sim_pool, TINY, steps=3)
+    assert gen["tokens_per_s"] > 0 and 0 < gen["producer_busy"] <= 1
+    assert train["tokens_per_s"] > 0 and 0 < train["trainer_busy"] <= 1
+
+
+def test_groups_that_can_no_longer_be_trained_in_budget_are_stopped_and_given_back():
+    long = FAST.model_copy(update={"median_tokens": 4000, "p99_ratio": 1.0, "max_tokens": 4000, "time_scale": 0.05})
+    queue = ReplayQueue(QueueConfig(group_size=4, groups_per_step=4, max_staleness=1, max_in_flight=16))
+    registry = WeightRegistry()
+    learner = SimLearner(long)
+    registry.publish(0, learner.weights())
+    producer = make_producer(queue, registry, work=long)
+    producer.max_staleness = 1
+    stop = threading.Event()
+    thread = threading.Thread(target=producer.run, args=(stop,))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while queue.status()["running"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        first = [t.ticket_id for t in queue.running_tickets()]
+        queue.set_version(2)  # the trainer moved two versions on while these groups were generating
+        registry.publish(2, learner.weights())
+        while producer.stats["aborted_groups"] < len(first) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        producer.receiver.stop()
+    assert producer.stats["aborted_groups"] == len(first) == 2  # version 0 groups, 2 > η versions old
+    assert all(queue.ticket_state(t) == "abandoned" for t in first)
+    assert queue.status()["committed"] == 0  # nothing was finished only to be thrown away
+    assert sorted(queue.returned_prompts()) == list(range(queue.status()["prompt_cursor"]))

@@ -49,7 +49,7 @@ def test_one_step_moves_the_policy_toward_higher_reward_samples(tiny_model_dir):
     rewards = np.array([1, 0, 0, 0, 0, 0, 0, 1], dtype=np.float32)
     data = data.set_column(data.schema.get_field_index("reward"), "reward", pa.array(rewards))
     t = trainer(tiny_model_dir, lr=1e-2)
-    from streamrl.buffer.schema import to_padded
+    from streamrl.buffer.padded import to_padded
     padded = to_padded(data)
 
     def seq_logprob():

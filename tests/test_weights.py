@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from streamrl.models.hf import load_policy
-from streamrl.weights import WeightReceiver, WeightRegistry
 from streamrl.weights.arrays import load_state_arrays, state_arrays
+from streamrl.weights.receiver import WeightReceiver
+from streamrl.weights.registry import WeightRegistry
 
 
 def test_old_versions_are_released_once_no_holder_uses_them():

@@ -1,5 +1,3 @@
-"""Inference engines that generate rollouts: the built-in torch KV-cache sampler (CPU and GPU)."""
-
-from streamrl.engine.sampler import Generation, TorchSampler
-
-__all__ = ["Generation", "TorchSampler"]
+"""Inference engines that generate rollouts: the built-in torch KV-cache sampler
+(`streamrl.engine.sampler`, CPU and GPU) and the flat result they share (`streamrl.engine.generation`).
+Nothing is imported here, so a process that needs only `Generation` does not load torch."""

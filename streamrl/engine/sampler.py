@@ -17,27 +17,13 @@ the trainer's importance weights are exact even when the weights change mid-sequ
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers import DynamicCache
 
-STOP, LENGTH = 0, 1  # indices into streamrl.buffer.schema.FINISH_REASONS
-
-
-@dataclass
-class Generation:
-    """Responses as flat buffers: row i is `tokens[offsets[i]:offsets[i + 1]]` (stop token included)."""
-
-    tokens: np.ndarray  # int32
-    offsets: np.ndarray  # int64, [N + 1]
-    logprobs: np.ndarray  # float32, behaviour log-prob per token
-    versions: np.ndarray  # int32, policy version per token
-    finish: np.ndarray  # int8: STOP or LENGTH per row
-
-    def response(self, row: int) -> np.ndarray:
-        return self.tokens[self.offsets[row]:self.offsets[row + 1]]
+from streamrl.buffer.schema import LENGTH, STOP
+from streamrl.engine.generation import Generation
 
 
 def nucleus_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

@@ -6,6 +6,7 @@ control plane (admission, commits) never holds up a decode step.
  decode loop:   switch weights if newer (a swap) ─► admitted tickets join the engine ─► engine.step()
                    └─ a group's G samples all done ─► rewards ─► Arrow batch ─► commit queue
  commit thread: queue.commit(batch)   (failure: the tickets are abandoned, the error re-raised in the loop)
+ newer weights: groups now certain to exceed the staleness budget are stopped and given back
  stop:          batches already made are committed; running and admitted groups are abandoned
 ```
 A slot frees as soon as one sequence ends, so a long response holds one slot, not a whole batch:
@@ -24,7 +25,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from streamrl.buffer.queue import QueueClosed, Ticket
-from streamrl.engine.sampler import Generation
+from streamrl.engine.generation import Generation
 from streamrl.rollout.producer import QueueClient, pack_groups
 from streamrl.tasks import Task
 from streamrl.weights.receiver import WeightReceiver
@@ -44,6 +45,7 @@ class StepEngine(Protocol):
 
     capacity: int
     model: object  # the weights in use; the receiver swaps in newer ones between steps
+    last_step_s: float  # device time of the last step (what the slots were busy for)
 
     @property
     def active(self) -> int: ...
@@ -52,23 +54,27 @@ class StepEngine(Protocol):
 
     def step(self, version: int) -> list[FinishedSample]: ...
 
+    def cancel(self, key: int) -> None: ...
+
     def abort(self) -> None: ...
 
 
 class _Group:
-    def __init__(self, ticket: Ticket, prompt: list[int], started: float):
+    def __init__(self, ticket: Ticket, prompt: list[int], started: float, first_version: int):
         self.ticket, self.prompt, self.started = ticket, prompt, started
+        self.first_version = first_version  # stamped on its first tokens: the group's behaviour version
         self.samples: dict[int, FinishedSample] = {}
 
 
 class ContinuousProducer:
     def __init__(self, producer_id: int, *, queue: QueueClient, receiver: WeightReceiver, engine: StepEngine,
-                 task: Task, group_size: int, admit_timeout: float = 0.2):
+                 task: Task, group_size: int, max_staleness: int | None = None, admit_timeout: float = 0.2):
         if engine.capacity < group_size:
             raise ValueError(f"engine capacity {engine.capacity} cannot hold one group of {group_size}")
         self.producer_id = producer_id
         self.queue, self.receiver, self.engine, self.task = queue, receiver, engine, task
         self.group_size, self.admit_timeout = group_size, admit_timeout
+        self.max_staleness = max_staleness  # None: never abort a group for its age
         self._cond = threading.Condition()
         self._admitted: deque[Ticket] = deque()  # admitted, not yet in the engine
         self._groups: dict[int, _Group] = {}  # in the engine, by ticket id
@@ -76,7 +82,7 @@ class ContinuousProducer:
         self._error: BaseException | None = None
         self._done = threading.Event()
         self.stats = {"groups": 0, "samples": 0, "generated_tokens": 0, "decode_steps": 0, "busy_slot_s": 0.0,
-                      "run_s": 0.0, "weight_updates": 0}
+                      "run_s": 0.0, "weight_updates": 0, "aborted_groups": 0}
         self.stalls: list[float] = []  # seconds each weight switch held up the decode loop
         self.last_blocked_by: str | None = None
 
@@ -92,7 +98,7 @@ class ContinuousProducer:
             while not stop.is_set():
                 self._raise_background_error()
                 version = self._refresh()
-                self._start_admitted()
+                self._start_admitted(version)
                 if self.engine.active == 0:
                     with self._cond:
                         self._cond.wait_for(lambda: self._admitted or self._error is not None or stop.is_set(),
@@ -111,21 +117,35 @@ class ContinuousProducer:
         if version != before:
             self.stalls.append(time.perf_counter() - t)
             self.stats["weight_updates"] += 1
+            self._abort_doomed(version)
         return version
 
-    def _start_admitted(self) -> None:
+    def _abort_doomed(self, version: int) -> None:
+        """Stop groups that can no longer be trained within the staleness budget. The trainer is at
+        least at `version`, so a group whose first tokens are more than η older would be regenerated
+        at commit anyway: stopping now frees its slots for work that will be trained."""
+        if self.max_staleness is None:
+            return
+        doomed = [key for key, g in self._groups.items() if version - g.first_version > self.max_staleness]
+        for key in doomed:
+            self.engine.cancel(key)
+            del self._groups[key]
+        if doomed:
+            self.stats["aborted_groups"] += len(doomed)
+            self._commits.put((doomed, None))  # the commit thread gives the prompts back
+
+    def _start_admitted(self, version: int) -> None:
         with self._cond:
             while self._admitted:
                 ticket = self._admitted.popleft()
                 prompt = self.task.prompt(ticket.prompt_id)
                 self.engine.add(ticket.ticket_id, prompt, self.group_size)
-                self._groups[ticket.ticket_id] = _Group(ticket, prompt, time.time())
+                self._groups[ticket.ticket_id] = _Group(ticket, prompt, time.time(), version)
 
     def _decode(self, version: int) -> None:
         active = self.engine.active
-        t = time.perf_counter()
         finished = self.engine.step(version)
-        self.stats["busy_slot_s"] += active * (time.perf_counter() - t)
+        self.stats["busy_slot_s"] += active * self.engine.last_step_s
         self.stats["decode_steps"] += 1
         self.stats["generated_tokens"] += active
         done = []
@@ -188,7 +208,7 @@ class ContinuousProducer:
         try:
             while (item := self._commits.get()) is not None:
                 ticket_ids, batch = item
-                if self._error is None:
+                if self._error is None and batch is not None:
                     try:
                         self.queue.commit(batch)
                         self.stats["groups"] += len(ticket_ids)

@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import pyarrow as pa
 
 from streamrl.buffer.queue import Admission, Ticket
 from streamrl.buffer.schema import build_batch
-from streamrl.engine.sampler import Generation, TorchSampler
+from streamrl.engine.generation import Generation
 from streamrl.tasks import Task
 from streamrl.weights.receiver import WeightReceiver
+
+if TYPE_CHECKING:
+    from streamrl.engine.sampler import TorchSampler
 
 
 class QueueClient(Protocol):

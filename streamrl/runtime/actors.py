@@ -29,34 +29,10 @@ from streamrl.buffer.actor import NAMESPACE, fetch_table, get_queue_actor
 from streamrl.buffer.queue import Admission, QueueClosed
 from streamrl.config import RunConfig
 from streamrl.weights.receiver import WeightReceiver
-from streamrl.weights.registry import WeightRegistry
 
 
 def actor_name(run_name: str, role: str) -> str:
     return f"{run_name}/{role}"
-
-
-class WeightsActor:
-    def __init__(self) -> None:
-        self.registry = WeightRegistry()
-
-    def publish(self, version: int, refs: list[ray.ObjectRef]) -> None:
-        # The trainer put the weights (one copy, measured in benchmarks/weights.py); this actor only
-        # borrows the reference, so the object lives while the registry or a producer holds it.
-        # If the trainer dies its weights go with it, which costs nothing: producers keep what they
-        # loaded, and a restarted trainer publishes again from its checkpoint.
-        (ref,) = refs
-        self.registry.publish(version, ref)
-
-    def acquire(self, holder: int, have: int | None, timeout: float = 0.0) -> tuple[int, list] | None:
-        got = self.registry.acquire(holder, have, timeout)
-        return None if got is None else (got[0], [got[1]])  # in a list: the caller receives the reference
-
-    def drop_holder(self, holder: int) -> None:
-        self.registry.drop_holder(holder)
-
-    def status(self) -> dict[str, Any]:
-        return self.registry.status()
 
 
 class RemoteQueue:

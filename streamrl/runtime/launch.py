@@ -25,10 +25,11 @@ import ray
 
 from streamrl.buffer.actor import NAMESPACE, create_queue_actor
 from streamrl.config import ConfigError, RunConfig
-from streamrl.runtime.actors import ProducerActor, TrainerActor, WeightsActor, create_actor
+from streamrl.runtime.actors import ProducerActor, TrainerActor, create_actor
 from streamrl.runtime.progress import ProgressView
 from streamrl.runtime.rundir import RunDir, RunDirError
 from streamrl.runtime.summary import summarize
+from streamrl.weights.actor import WeightsActor
 
 # Fields a resumed run may not change: they define the data already generated and the model trained.
 FROZEN_ON_RESUME = ("model", "task", "queue.group_size", "queue.groups_per_step", "trainer.backend")

@@ -6,9 +6,8 @@
                        sequence has one more token stamped `version`; returns the sequences that ended
 ```
 Everything around it is real: the weights it holds are a tensor of `weights_mb` that the producer's
-receiver really copies and swaps, and its samples become real Arrow batches. Pacing is by deadline
-(a step starts when the previous one ended or, if the host was late, when it asks), so the host's
-own overhead counts against throughput exactly as it would against a GPU it keeps waiting.
+receiver really copies and swaps, and its samples become real Arrow batches. Pacing is by deadline:
+a step starts when the previous one ended, or when the host asks if it is more than a step late.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from streamrl.engine.sampler import LENGTH, STOP
+from streamrl.buffer.schema import LENGTH, STOP
 from streamrl.rollout.continuous import FinishedSample
 from streamrl.sim.workload import SimWorkload
 
@@ -47,6 +46,7 @@ class SimEngine:
         self._ends: list[tuple[int, int, int]] = []  # heap of (step it ends at, key, index)
         self._prefill_owed_s = 0.0
         self._last_end: float | None = None
+        self.last_step_s = 0.0
 
     @property
     def active(self) -> int:
@@ -66,7 +66,8 @@ class SimEngine:
             raise RuntimeError("step() with no active sequence")
         model_s = self._prefill_owed_s + self.workload.decode_step_s(self.active)
         self._prefill_owed_s = 0.0
-        self._pace(model_s * self.workload.time_scale)
+        self.last_step_s = model_s * self.workload.time_scale
+        self._pace(self.last_step_s)
         if not self._version_of or self._version_of[-1] != version:
             self._version_from.append(self._steps)
             self._version_of.append(version)
@@ -74,12 +75,16 @@ class SimEngine:
         finished = []
         while self._ends and self._ends[0][0] <= self._steps:
             _, key, index = heapq.heappop(self._ends)
-            finished.append(self._finish(key, index))
+            if (key, index) in self._running:  # not cancelled
+                finished.append(self._finish(key, index))
         return finished
 
     def _pace(self, seconds: float) -> None:
+        # The engine may run up to one step ahead of its host (as overlap schedulers do): a host that
+        # is late by less than a step (Python overhead, a late wake-up on a busy machine) costs nothing;
+        # later than that, the engine idles and the throughput drops, as it would on a GPU.
         now = self._clock()
-        start = now if self._last_end is None else max(now, self._last_end)
+        start = now if self._last_end is None else max(self._last_end, now - seconds)
         self._last_end = start + seconds
         if self._last_end > now:
             self._sleep(self._last_end - now)
@@ -95,6 +100,11 @@ class SimEngine:
             versions=np.asarray(self._version_of, dtype=np.int32)[log],
             finish=LENGTH if length >= self.workload.max_tokens else STOP,
         )
+
+    def cancel(self, key: int) -> None:
+        """Drop the sequences of one group; their slots are free at the next step."""
+        for index in [i for k, i in self._running if k == key]:
+            del self._running[(key, index)]
 
     def abort(self) -> None:
         """Drop every running sequence (the producer gives their groups back to the queue)."""

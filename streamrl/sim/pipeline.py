@@ -13,6 +13,7 @@ training alone (a queue filled in advance, no producers).
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -26,10 +27,11 @@ import ray
 from streamrl.buffer.actor import create_queue_actor
 from streamrl.buffer.config import QueueConfig
 from streamrl.buffer.synthetic import synthetic_batch
-from streamrl.runtime.actors import WeightsActor, create_actor
+from streamrl.runtime.actors import create_actor
 from streamrl.sim.actors import SimProducerActor, SimTrainerActor
 from streamrl.sim.engine import weights_module
 from streamrl.sim.workload import SimWorkload
+from streamrl.weights.actor import WeightsActor
 from streamrl.weights.arrays import state_arrays
 
 UNBOUNDED = 10**9  # a staleness budget that never binds: generation or training alone
@@ -47,40 +49,58 @@ def standard_schedules(eta: int) -> list[Schedule]:
 
 
 def queue_config(work: SimWorkload, max_staleness: int, admission: str = "continuous") -> QueueConfig:
-    slots = work.producers * work.sequences_per_producer // work.group_size
+    # A group holds its in-flight slot until its slowest sample ends, while the engine refills the slots
+    # of its finished samples: a cap of one group per G engine slots would leave slots idle behind
+    # the long tail, so the cap here is one group per slot (the engines' own capacity binds first).
+    slots = work.producers * work.sequences_per_producer
     return QueueConfig(group_size=work.group_size, groups_per_step=work.groups_per_step,
                        max_staleness=max_staleness, admission=admission,
                        max_in_flight=max(slots, work.groups_per_step), capacity_tokens=10**9)
 
 
-_runs = Counter()
+class SimPool:
+    """Trainer and producer processes started once and attached to a fresh queue and weights actor
+    for each run (see `streamrl.sim.actors`)."""
 
+    def __init__(self) -> None:
+        self.trainer = ray.remote(num_cpus=0, max_concurrency=2)(SimTrainerActor).remote()
+        self.producers: list[ray.actor.ActorHandle] = []
+        self._runs = 0
+        ray.get(self.trainer.ready.remote(), timeout=120)
 
-@contextmanager
-def sim_cluster(work: SimWorkload, queue_cfg: QueueConfig, *, producers: bool = True,
-                trainer: bool = True, seed: int = 0) -> Iterator[dict[str, Any]]:
-    """The actors of one simulated run (a fresh run name each time); all killed on exit."""
-    _runs["run"] += 1
-    name = f"sim-pipeline-{_runs['run']}-{time.monotonic_ns() % 10**6}"
-    spec = work.model_dump()
-    actors: dict[str, Any] = {"name": name, "producers": []}
-    try:
-        actors["queue"] = create_queue_actor(name, queue_cfg)
-        actors["weights"] = create_actor(WeightsActor, name, "weights", max_concurrency=work.producers + 4)
-        if trainer:
-            actors["trainer"] = create_actor(SimTrainerActor, name, "trainer", name, spec, max_concurrency=2)
-        if producers:
-            actors["producers"] = [create_actor(SimProducerActor, name, f"producer-{i}", name, i, spec, seed + i,
-                                                max_concurrency=3) for i in range(work.producers)]
-        ray.get([a.ready.remote() for a in actors["producers"] + ([actors["trainer"]] if trainer else [])],
-                timeout=120)
-        yield actors
-    finally:
-        for role in ("trainer", "queue", "weights"):
-            if role in actors:
-                ray.kill(actors[role])
-        for producer in actors["producers"]:
-            ray.kill(producer)
+    def _grow(self, count: int) -> None:
+        cls = ray.remote(num_cpus=0, max_concurrency=3)(SimProducerActor)
+        new = [cls.remote() for _ in range(count - len(self.producers))]
+        ray.get([p.ready.remote() for p in new], timeout=120)
+        self.producers += new
+
+    @contextmanager
+    def run(self, work: SimWorkload, queue_cfg: QueueConfig, *, producers: bool = True, trainer: bool = True,
+            seed: int = 0) -> Iterator[dict[str, Any]]:
+        """The actors of one run: a new queue and weights actor, the pool's processes attached to them."""
+        self._runs += 1
+        name = f"sim-pipeline-{os.getpid()}-{self._runs}"
+        spec = work.model_dump()
+        queue = create_queue_actor(name, queue_cfg)
+        weights = create_actor(WeightsActor, name, "weights", max_concurrency=work.producers + 4)
+        try:
+            used = []
+            if producers:
+                self._grow(work.producers)
+                used = self.producers[:work.producers]
+                ray.get([p.attach.remote(name, i, spec, seed + i, queue_cfg.max_staleness)
+                         for i, p in enumerate(used)])
+            if trainer:
+                ray.get(self.trainer.attach.remote(name, spec))
+            yield {"name": name, "queue": queue, "weights": weights, "producers": used,
+                   "trainer": self.trainer if trainer else None}
+        finally:
+            ray.kill(queue)
+            ray.kill(weights)
+
+    def close(self) -> None:
+        for actor in (self.trainer, *self.producers):
+            ray.kill(actor)
 
 
 def _producer_totals(producers: list) -> dict[str, float]:
@@ -104,10 +124,10 @@ def _summary(values: list[float]) -> dict[str, float]:
             "max": float(array.max())}
 
 
-def measure_schedule(work: SimWorkload, schedule: Schedule, *, warmup_steps: int, min_steps: int,
+def measure_schedule(pool: SimPool, work: SimWorkload, schedule: Schedule, *, warmup_steps: int, min_steps: int,
                      window_s: float, max_s: float = 300.0, seed: int = 0) -> dict[str, Any]:
     """Tokens and samples trained per second once the pipeline is full, with what kept it from more."""
-    with sim_cluster(work, queue_config(work, schedule.max_staleness, schedule.admission), seed=seed) as c:
+    with pool.run(work, queue_config(work, schedule.max_staleness, schedule.admission), seed=seed) as c:
         trainer, producers = c["trainer"], c["producers"]
         ray.get(trainer.publish.remote())
         runs = [p.run.remote() for p in producers]
@@ -146,13 +166,17 @@ def measure_schedule(work: SimWorkload, schedule: Schedule, *, warmup_steps: int
         "staleness": {"mean": float(np.mean(staleness)), "max": int(max(staleness)),
                       "histogram": {str(k): v for k, v in sorted(Counter(staleness).items())}},
         "stall_per_update_s": _summary([x for s in stats for x in s["stalls"]]),
-        "regenerated_groups": queue["over_budget"],
+        "regenerated_groups": queue["over_budget"],  # finished, then found over the budget
+        "aborted_groups": sum(s["aborted_groups"] for s in stats),  # stopped as soon as certain to be
+        "wasted_fraction": 1 - sum(s["response_tokens"] for s in window) / max(
+            1, end["generated_tokens"] - mark["generated_tokens"]),
     }
 
 
-def generation_alone(work: SimWorkload, *, warmup_s: float, window_s: float, seed: int = 0) -> dict[str, Any]:
+def generation_alone(pool: SimPool, work: SimWorkload, *, warmup_s: float, window_s: float,
+                     seed: int = 0) -> dict[str, Any]:
     """Tokens/s of the producers with nothing limiting admission and no trainer."""
-    with sim_cluster(work, queue_config(work, UNBOUNDED), trainer=False, seed=seed) as c:
+    with pool.run(work, queue_config(work, UNBOUNDED), trainer=False, seed=seed) as c:
         producers = c["producers"]
         ray.get(c["weights"].publish.remote(0, [ray.put(state_arrays(weights_module(work)))]))
         runs = [p.run.remote() for p in producers]
@@ -167,10 +191,10 @@ def generation_alone(work: SimWorkload, *, warmup_s: float, window_s: float, see
             "window_s": span}
 
 
-def training_alone(work: SimWorkload, *, steps: int, seed: int = 0) -> dict[str, Any]:
+def training_alone(pool: SimPool, work: SimWorkload, *, steps: int, seed: int = 0) -> dict[str, Any]:
     """Tokens/s of the trainer consuming a queue filled in advance (the first step is warm-up)."""
     rng = np.random.default_rng(seed)
-    with sim_cluster(work, queue_config(work, UNBOUNDED), producers=False, seed=seed) as c:
+    with pool.run(work, queue_config(work, UNBOUNDED), producers=False, seed=seed) as c:
         queue, trainer = c["queue"], c["trainer"]
         for _ in range(steps):
             admission = ray.get(queue.admit.remote(0, work.groups_per_step))

@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from streamrl.buffer.schema import to_padded
+from streamrl.buffer.padded import to_padded
 from streamrl.config import TrainerSection
 from streamrl.correction import (
     LossConfig,
