@@ -155,7 +155,7 @@ def torch_schedules(eta: int, steps: int, warmup_steps: int, overrides: list[str
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp:
         for schedule in standard_schedules(eta):
             console.print(f"{schedule.name} (η = {schedule.max_staleness}, {schedule.admission}) ...")
-            config, run_dir = prepare(None, [
+            config, run_dir, _ = prepare(None, [
                 f"run.steps={steps}", "run.eval_every=0", "run.checkpoint_every=0", "run.time_limit_s=null",
                 f"run.output_dir='{tmp}'", f"run.name='bench-{schedule.name}'", "logging.progress='none'",
                 f"queue.max_staleness={schedule.max_staleness}", f"queue.admission='{schedule.admission}'",
@@ -180,7 +180,7 @@ def torch_measure(schedule: Schedule, metrics: list[dict], summary: dict, warmup
     return {
         "schedule": schedule.name, "max_staleness": schedule.max_staleness, "admission": schedule.admission,
         "steps_measured": len(window), "window_s": span, "tokens_per_s": tokens / span,
-        "samples_per_s": sum(m["samples"] for m in window) / span if "samples" in window[0] else None,
+        "samples_per_s": sum(m["samples"] for m in window) / span,
         "trainer_busy": sum(m["train_s"] for m in window) / span,
         "producer_busy": generate_s / (len(producers) * summary["elapsed_s"]),
         "trainer_compute_tokens_per_s": tokens / sum(m["train_s"] for m in window),

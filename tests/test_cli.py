@@ -10,7 +10,8 @@ from streamrl.cli import main
 
 def test_bench_lists_and_refuses_unknown_names(capsys):
     assert main(["bench"]) == 0
-    assert "buffer" in capsys.readouterr().out
+    listed = capsys.readouterr().out
+    assert "buffer" in listed and "pipeline" in listed and "weights" in listed
     assert main(["bench", "nonexistent"]) == 2
     assert "unknown benchmark 'nonexistent'" in capsys.readouterr().err
 

@@ -113,6 +113,7 @@ class TorchTrainer:
         self.optimizer.step()
         self.version += 1
         totals.update(grad_norm=float(grad_norm), response_tokens=tokens, trained_tokens=int(lengths.sum()),
+                      samples=len(lengths),
                       train_s=time.perf_counter() - start)
         return totals
 
