@@ -79,7 +79,8 @@ def print_schedules(results: dict[str, Any], console: Console, title: str) -> No
         table.add_row(name, str(r["max_staleness"]), f"{r['tokens_per_s']:,.0f}", f"{r['samples_per_s']:,.1f}",
                       f"{r['tokens_per_s'] / results['ideal_tokens_per_s']:.2f}", f"{r['trainer_busy']:.0%}",
                       f"{r['producer_busy']:.0%}", f"{r['staleness']['mean']:.2f} / {r['staleness']['max']}",
-                      f"{stall.get('median', 0) * 1e3:.2f} ms", f"{max(r['wasted_fraction'], 0):.0%}")
+                      f"{stall['median'] * 1e3:.2f} ms" if stall.get("count") else "—",
+                      f"{max(r['wasted_fraction'], 0):.0%}")
     gen, train = results["generation_alone"], results["training_alone"]
     table.add_row("gen alone", "∞", f"{gen['tokens_per_s']:,.0f}", "", "", "", f"{gen['producer_busy']:.0%}",
                   "", "", "")
