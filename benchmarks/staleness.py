@@ -124,9 +124,10 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
             curves = [r["curve"] for r in cell["runs"]]
             length = min(len(c["reward"]) for c in curves)
             reward = np.mean([c["reward"][:length] for c in curves], axis=0)
-            smooth = np.convolve(reward, np.ones(10) / 10, mode="valid")
-            steps = np.asarray(curves[0]["step"][:length])[9:]
-            elapsed = np.mean([c["elapsed_s"][:length] for c in curves], axis=0)[9:]
+            window = min(10, length)
+            smooth = np.convolve(reward, np.ones(window) / window, mode="valid")
+            steps = np.asarray(curves[0]["step"][:length])[window - 1:]
+            elapsed = np.mean([c["elapsed_s"][:length] for c in curves], axis=0)[window - 1:]
             label = f"η={eta} {correction}"
             by_step.plot(steps, smooth, styles.get(correction, "-"), color=colors[i % len(colors)], label=label)
             by_time.plot(elapsed, smooth, styles.get(correction, "-"), color=colors[i % len(colors)], label=label)
