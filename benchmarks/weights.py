@@ -137,7 +137,8 @@ def main() -> None:
                       f"{r['put_get_s'] * 1e3:,.1f} ms", f"{r['ratio']:.2f}{flag}", f"{r['ready_s'] * 1e3:,.1f} ms",
                       f"{r['stall_s'] * 1e3:,.2f} ms", f"{r['publish_gbps']:.2f}")
     Console(width=150).print(table)
-    decode_step_s = SimWorkload().decode_step_s(SimWorkload().sequences_per_producer) * SimWorkload().time_scale
+    sim = SimWorkload()
+    decode_step_s = sim.decode_step_s(sim.sequences_per_producer) * sim.time_scale
     targets = [Target("worst_ratio_4_producers", "<=", TARGET_RATIO), Target("max_stall_s", "<=", decode_step_s)]
     finish("weights", args.out, workload={"mode": "in_place" if args.in_place else "double_buffered",
                                           "sizes_mb": args.sizes_mb, "producers": args.producers,

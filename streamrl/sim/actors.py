@@ -67,9 +67,6 @@ class SimTrainerActor(TrainerShell):
 
         torch.set_num_threads(1)
 
-    def ready(self) -> int:
-        return os.getpid()
-
     def attach(self, run_name: str, workload: dict[str, Any], get_timeout_s: float = 300.0) -> None:
         """A fresh learner at version 0, stepping against the queue of `run_name`."""
         work = SimWorkload.model_validate(workload)
