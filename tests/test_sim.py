@@ -171,7 +171,8 @@ def test_generation_and_training_alone_measure_positive_rates(sim_pool):
 
 
 def test_groups_that_can_no_longer_be_trained_in_budget_are_stopped_and_given_back():
-    long = FAST.model_copy(update={"median_tokens": 4000, "p99_ratio": 1.0, "max_tokens": 4000, "time_scale": 0.05})
+    # ~14 s per response: nothing can finish on a loaded machine before the test moves the version on
+    long = FAST.model_copy(update={"median_tokens": 4000, "p99_ratio": 1.0, "max_tokens": 4000, "time_scale": 0.2})
     queue = ReplayQueue(QueueConfig(group_size=4, groups_per_step=4, max_staleness=1, max_in_flight=16))
     registry = WeightRegistry()
     learner = SimLearner(long)
@@ -183,7 +184,8 @@ def test_groups_that_can_no_longer_be_trained_in_budget_are_stopped_and_given_ba
     thread.start()
     try:
         deadline = time.monotonic() + 10
-        while queue.status()["running"] < 2 and time.monotonic() < deadline:
+        # admitted is not enough: a group that joins the engine after version 2 arrives is fresh
+        while producer.engine.active < producer.engine.capacity and time.monotonic() < deadline:
             time.sleep(0.01)
         first = [t.ticket_id for t in queue.running_tickets()]
         queue.set_version(2)  # the trainer moved two versions on while these groups were generating
