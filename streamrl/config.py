@@ -115,6 +115,9 @@ class TrainerSection(_Section):
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_tokens: int = Field(8192, ge=1)
     """Padded tokens per forward/backward; bounds activation memory (gradients are accumulated)."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer steps per consumed batch (PPO mini-batches, each a share of the batch's groups): more
+    learning per generated sample; the policy version still advances once per batch."""
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     """grpo: (r − mean)/(std + eps) per group; drgrpo: r − mean; rloo: leave-one-out baseline."""
     threads: int = Field(1, ge=1)
@@ -168,6 +171,9 @@ class RunConfig(_Section):
         if queue.group_size < 2 and self.trainer.advantage != "drgrpo":
             raise ValueError(f"queue.group_size={queue.group_size}: group advantages need at least 2 samples "
                              "per prompt")
+        if self.trainer.minibatches > queue.groups_per_step:
+            raise ValueError(f"trainer.minibatches={self.trainer.minibatches} is more than queue.groups_per_step="
+                             f"{queue.groups_per_step}: a mini-batch holds at least one whole group")
         if self.trainer.backend == "megatron" or self.producers.engine == "sglang":
             # Checked here so the run fails before any actor starts, not inside one.
             raise ValueError("trainer.backend = 'megatron' and producers.engine = 'sglang' need the GPU backends "

@@ -29,16 +29,29 @@ def fake_run(eta, correction, seed, final):
 def test_results_are_keyed_by_eta_then_correction_with_the_spread_over_seeds():
     bench = load_script()
     runs = [fake_run(0, "decoupled_ppo", s, f) for s, f in enumerate([0.6, 0.8])]
+    runs += [fake_run(0, "naive", s, f) for s, f in enumerate([0.7, 0.7])]
     runs += [fake_run(4, "decoupled_ppo", s, f) for s, f in enumerate([0.62, 0.64])]
     runs += [fake_run(8, "naive", s, f) for s, f in enumerate([0.3, 0.32])]
     results = bench.aggregate(runs)
     cell = results["0"]["decoupled_ppo"]
-    assert cell["final_reward_mean"] == pytest.approx(0.7) and cell["final_reward_std"] == pytest.approx(0.1)
+    assert cell["final_reward_mean"] == pytest.approx(0.7)
+    assert cell["final_reward_std"] == pytest.approx(0.1 * 2 ** 0.5)  # sample std (ddof 1)
+    assert cell["final_reward_sem"] == pytest.approx(0.1)
     assert cell["seeds"] == [0, 1] and results["8"]["naive"]["staleness_mean"] == pytest.approx(6.4)
     checks = bench.expectations(results)
-    assert checks["decoupled_ppo_eta4_vs_eta0"]["ratio"] == pytest.approx(0.63 / 0.7)
-    assert checks["decoupled_ppo_eta4_vs_eta0"]["held"] is False  # 10% short of on-policy
-    assert checks["naive_eta8_vs_eta0"]["held"] is True
+    corrected = checks["decoupled_ppo_eta4_vs_eta0"]
+    assert corrected["ratio"] == pytest.approx(0.63 / 0.7) and corrected["gap"] == pytest.approx(-0.07)
+    assert corrected["gap_se"] == pytest.approx((0.1 ** 2 + 0.01 ** 2) ** 0.5)
+    assert corrected["held"] is False  # 10% short of on-policy
+    naive = checks["naive_eta8_vs_eta0"]
+    assert naive["gap"] == pytest.approx(0.39) and naive["held"] is True  # 0.39 against an SE of 0.01
+
+
+def test_a_gap_within_the_noise_is_not_called_measurable():
+    bench = load_script()
+    runs = [fake_run(0, "naive", s, f) for s, f in enumerate([0.3, 0.9])]
+    runs += [fake_run(8, "naive", s, f) for s, f in enumerate([0.2, 0.8])]
+    assert bench.expectations(bench.aggregate(runs))["naive_eta8_vs_eta0"]["held"] is False
 
 
 def test_final_reward_is_the_mean_of_the_last_tenth_of_steps():

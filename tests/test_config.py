@@ -36,6 +36,8 @@ def test_toml_file_plus_overrides_and_round_trip(tmp_path):
     (["task.kind=file"], r"task.kind = 'file' needs task\.prompts and task\.reward"),
     (["queue.group_size=1"], r"group advantages need at least 2 samples"),
     (["trainer.backend=megatron"], r"need the GPU backends"),
+    (["trainer.minibatches=33"], r"trainer\.minibatches=33 is more than queue\.groups_per_step=32"),
+    (["trainer.minibatches=0"], r"trainer\.minibatches: Input should be greater than or equal to 1"),
     (["model.hidden_size=130"], r"hidden_size=130 is not divisible by num_heads=4"),
     (["run.name=bad name!"], r"run\.name: String should match pattern"),
     (["queue.max_staleness=0", "queue.max_in_flight=2"], r"a synchronous step could never be filled"),

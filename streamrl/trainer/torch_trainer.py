@@ -1,18 +1,24 @@
-"""The plain-torch trainer: one consumed batch of groups → one optimizer step → version + 1.
+"""The plain-torch trainer: one consumed batch of groups → `minibatches` optimizer steps → version + 1.
 
 ```
  Arrow table ─to_padded─► [N, L] tensors ─► group advantages (one per sample, broadcast to tokens)
-   rows sorted by length, cut into micro-batches of ≤ micro_batch_tokens padded tokens
-   each micro-batch: forward ─► θ log-probs ─► loss(θ, b, p, A) / batch tokens ─► backward (accumulate)
- clip the gradient norm ─► AdamW step ─► version + 1
+   minibatches > 1: proximal log-probs p of every row (no grad), groups shuffled and split in mini-batches
+   each mini-batch: rows sorted by length, cut into micro-batches of ≤ micro_batch_tokens padded tokens
+     each micro-batch: forward ─► θ log-probs ─► loss(θ, b, p, A) / mini-batch tokens ─► backward
+     clip the gradient norm ─► AdamW step
+ version + 1 (the staleness contract: B groups per version, however many optimizer steps they make)
 ```
 The proximal log-probs `p` are the trainer's weights at the start of the step. With one optimizer
-step per consumed batch (the staleness contract: B groups per version) `p` equals θ's value in the
-same forward pass, so it is taken as `θ.detach()` instead of paying for a second forward pass.
+step per consumed batch (the default) `p` equals θ's value in the same forward pass, so it is taken as
+`θ.detach()` instead of paying for a second forward pass; then `decoupled_ppo` and `tis` coincide
+(r = 1, nothing to clip). With several mini-batches (PPO's inner epochs: more learning per generated
+sample) θ moves away from p within the step, the PPO clip bounds that move, and the correction bounds
+the behaviour → proximal gap: the objectives differ as they do in the literature.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections.abc import Iterator
@@ -74,6 +80,7 @@ class TorchTrainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=trainer.lr, betas=trainer.betas,
                                            weight_decay=trainer.weight_decay)
         self.version = version
+        self._rng = np.random.default_rng(seed)  # the mini-batch shuffle
 
     def _token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[n, w − 1] log-probs of tokens 1..w−1 (right padding: default positions are right)."""
@@ -81,41 +88,88 @@ class TorchTrainer:
         return token_logprobs(logits / self.temperature, input_ids[:, 1:])
 
     def train(self, table: pa.Table | pa.RecordBatch) -> dict[str, float]:
-        """One optimizer step on a batch of complete groups (rows of a group adjacent)."""
+        """`minibatches` optimizer steps on a batch of complete groups (rows of a group adjacent), then
+        version + 1. A non-finite gradient in any mini-batch rolls the whole step back and raises."""
         start = time.perf_counter()
         batch = to_padded(table, self.pad_id)
         mask = batch.loss_mask[:, 1:]
         adv = broadcast_to_tokens(advantages(batch.rewards, self.group_size, self.config.advantage), mask)
-        behavior, versions = batch.behavior_logprobs[:, 1:], batch.versions[:, 1:]
         lengths = (batch.prompt_lengths + batch.response_lengths).numpy()
-        tokens = int(mask.sum())
-        denominator = float(max(tokens, 1)) if self.loss_fn.keywords["aggregation"] == "token_mean" \
-            else float(len(lengths))
-
+        parts = self._minibatch_rows(len(lengths))
+        # one optimizer step: p is θ in the same forward pass (see the module docstring)
+        proximal = None if len(parts) == 1 else self._proximal_logprobs(batch, lengths)
+        saved = None if len(parts) == 1 else (copy.deepcopy(self.model.state_dict()),
+                                              copy.deepcopy(self.optimizer.state_dict()))
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
+        grad_norms = []
+        tokens = int(mask.sum())
+        for rows in parts:
+            try:
+                grad_norms.append(self._optimizer_step(batch, rows, lengths, mask, adv, proximal, totals,
+                                                       step_tokens=tokens))
+            except FloatingPointError:
+                if saved is not None:  # earlier mini-batches of this step were applied: undo them
+                    self.model.load_state_dict(saved[0])
+                    self.optimizer.load_state_dict(saved[1])
+                raise
+        self.version += 1
+        totals.update(grad_norm=float(np.mean(grad_norms)), response_tokens=tokens, trained_tokens=int(lengths.sum()),
+                      samples=len(lengths), optimizer_steps=len(parts), train_s=time.perf_counter() - start)
+        return totals
+
+    def _minibatch_rows(self, rows: int) -> list[np.ndarray]:
+        """Row indices of each mini-batch: whole groups, shuffled (seeded), split as evenly as possible."""
+        groups = rows // self.group_size
+        count = min(self.config.minibatches, groups)
+        if count == 1:
+            return [np.arange(rows)]
+        order = self._rng.permutation(groups)
+        return [(part[:, None] * self.group_size + np.arange(self.group_size)).ravel()
+                for part in np.array_split(order, count)]
+
+    @torch.no_grad()
+    def _proximal_logprobs(self, batch, lengths: np.ndarray) -> torch.Tensor:
+        """p for every row: the weights at the start of the step, before any mini-batch moved them."""
+        proximal = torch.zeros_like(batch.behavior_logprobs[:, 1:])
         for rows in micro_batches(lengths, self.config.micro_batch_tokens):
             width = int(lengths[rows].max())
             rows_t = torch.from_numpy(rows)
+            proximal[rows_t, :width - 1] = self._token_logprobs(batch.input_ids[rows_t, :width],
+                                                                batch.attention_mask[rows_t, :width])
+        return proximal
+
+    def _optimizer_step(self, batch, rows: np.ndarray, lengths: np.ndarray, mask: torch.Tensor, adv: torch.Tensor,
+                        proximal: torch.Tensor | None, totals: dict[str, float], *, step_tokens: int) -> float:
+        """Accumulate the gradient of `rows` over micro-batches, clip, step; metrics into `totals`
+        weighted by the mini-batch's share of the step's tokens. Returns the gradient norm."""
+        behavior, versions = batch.behavior_logprobs[:, 1:], batch.versions[:, 1:]
+        tokens = int(mask[torch.from_numpy(rows)].sum())
+        share = tokens / max(step_tokens, 1)
+        denominator = float(max(tokens, 1)) if self.loss_fn.keywords["aggregation"] == "token_mean" \
+            else float(len(rows))
+        self.optimizer.zero_grad(set_to_none=True)
+        for local in micro_batches(lengths[rows], self.config.micro_batch_tokens):
+            part = rows[local]
+            width = int(lengths[part].max())
+            rows_t = torch.from_numpy(part)
             theta = self._token_logprobs(batch.input_ids[rows_t, :width], batch.attention_mask[rows_t, :width])
             cut = slice(0, width - 1)
             loss, metrics = self.loss_fn(
                 PolicyBatch(logprobs=theta, behavior_logprobs=behavior[rows_t, cut], advantages=adv[rows_t, cut],
-                            mask=mask[rows_t, cut], proximal_logprobs=theta.detach(), versions=versions[rows_t, cut]),
+                            mask=mask[rows_t, cut],
+                            proximal_logprobs=theta.detach() if proximal is None else proximal[rows_t, cut],
+                            versions=versions[rows_t, cut]),
                 denominator=denominator, trainer_version=self.version)
             loss.backward()
-            _accumulate(totals, metrics, share=float(mask[rows_t].sum()) / max(tokens, 1), loss=float(loss.detach()))
+            within = float(mask[rows_t].sum()) / max(tokens, 1)
+            _accumulate(totals, metrics, share=share * within, loss=share * float(loss.detach()))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm at version {self.version}; the step was not taken")
         self.optimizer.step()
-        self.version += 1
-        totals.update(grad_norm=float(grad_norm), response_tokens=tokens, trained_tokens=int(lengths.sum()),
-                      samples=len(lengths),
-                      train_s=time.perf_counter() - start)
-        return totals
+        return float(grad_norm)
 
     def weights(self) -> dict[str, np.ndarray]:
         """Views of the live weights as numpy arrays, for a consumer that copies at once (`ray.put`)."""
