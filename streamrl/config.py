@@ -118,6 +118,8 @@ class TrainerSection(_Section):
     minibatches: int = Field(1, ge=1)
     """Optimizer steps per consumed batch (PPO mini-batches, each a share of the batch's groups): more
     learning per generated sample; the policy version still advances once per batch."""
+    tensor_parallel: int = Field(1, ge=1)
+    """megatron backend: tensor-parallel ranks the model is split over."""
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     """grpo: (r − mean)/(std + eps) per group; drgrpo: r − mean; rloo: leave-one-out baseline."""
     threads: int = Field(1, ge=1)
@@ -174,10 +176,16 @@ class RunConfig(_Section):
         if self.trainer.minibatches > queue.groups_per_step:
             raise ValueError(f"trainer.minibatches={self.trainer.minibatches} is more than queue.groups_per_step="
                              f"{queue.groups_per_step}: a mini-batch holds at least one whole group")
-        if self.trainer.backend == "megatron" or self.producers.engine == "sglang":
+        if self.trainer.tensor_parallel > 1 and self.trainer.backend != "megatron":
+            raise ValueError(f"trainer.tensor_parallel={self.trainer.tensor_parallel} needs trainer.backend = "
+                             "'megatron'")
+        if self.trainer.tensor_parallel > 1:
             # Checked here so the run fails before any actor starts, not inside one.
-            raise ValueError("trainer.backend = 'megatron' and producers.engine = 'sglang' need the GPU backends "
-                             "(issue 7); use 'torch'")
+            raise ValueError(f"trainer.tensor_parallel={self.trainer.tensor_parallel}: `streamrl launch` runs the "
+                             "megatron trainer as one rank so far; tensor parallel is available to "
+                             "streamrl.trainer.megatron_trainer.MegatronTrainer ranks you start yourself")
+        if self.producers.engine == "sglang":
+            raise ValueError("producers.engine = 'sglang' is not available yet; use 'torch'")
         return self
 
 

@@ -97,6 +97,17 @@ def test_sync_and_one_step_schedules_run_through_the_same_code_path(ray_local, t
     assert summary["queue"]["over_budget"] == 0
 
 
+def test_the_megatron_trainer_runs_a_launch_and_resumes_from_its_own_checkpoint(ray_local, tmp_path):
+    first, run_dir = run_tiny(tmp_path, "mcore", "run.steps=3", "trainer.backend=megatron", "producers.count=1")
+    assert first["steps"] == 3 and first["staleness_bound_held"]
+    model_dir = run_dir.latest_checkpoint() / "trainer" / "model"
+    assert (model_dir / "config.json").is_file() and list(model_dir.glob("*.safetensors"))  # HF format out
+    config, opened, checkpoint = prepare(None, ["run.steps=5", "logging.progress=none"], resume=str(run_dir.path))
+    second = launch(config, opened, checkpoint)
+    assert [m["step"] for m in run_dir.read("metrics.jsonl")] == [1, 2, 3, 4, 5] and second["steps"] == 5
+    assert [e["step"] for e in run_dir.read("eval.jsonl")] == [0, 3, 5]  # eval on the megatron weights
+
+
 def test_resume_continues_without_losing_or_repeating_a_group(ray_local, tmp_path):
     first, run_dir = run_tiny(tmp_path, "resumable", "run.steps=4", "queue.max_staleness=2", "producers.count=1")
     saved = load_queue(run_dir.latest_checkpoint() / "queue")

@@ -218,13 +218,16 @@ class TrainerActor(TrainerShell):
 
         from streamrl.models.hf import quiet_transformers
         from streamrl.tasks import make_task
-        from streamrl.trainer.torch_trainer import TorchTrainer
 
         quiet_transformers()
         cfg = self.config = RunConfig.model_validate(config)
         torch.set_num_threads(cfg.trainer.threads)
-        trainer = TorchTrainer(model_dir, trainer=cfg.trainer, loss=cfg.loss, group_size=cfg.queue.group_size,
-                               temperature=cfg.sampling.temperature, seed=cfg.run.seed)
+        if cfg.trainer.backend == "megatron":
+            from streamrl.trainer.megatron_trainer import MegatronTrainer as Trainer
+        else:
+            from streamrl.trainer.torch_trainer import TorchTrainer as Trainer
+        trainer = Trainer(model_dir, trainer=cfg.trainer, loss=cfg.loss, group_size=cfg.queue.group_size,
+                          temperature=cfg.sampling.temperature, seed=cfg.run.seed)
         if resume_dir is not None:
             trainer.load_optimizer(resume_dir)
         super().__init__(run_name, trainer, groups_per_step=cfg.queue.groups_per_step,

@@ -73,6 +73,11 @@ class TorchTrainer:
                  temperature: float = 1.0, version: int = 0, seed: int = 0):
         torch.manual_seed(seed)
         self.model, self.tokenizer = load_policy(model_dir, train=True)
+        self._setup(trainer, loss, group_size, temperature, version, seed)
+
+    def _setup(self, trainer: TrainerSection, loss: LossConfig, group_size: int, temperature: float, version: int,
+               seed: int) -> None:
+        """Everything but the model: loss, optimizer over `self.model`'s parameters, version, shuffle."""
         self.config, self.group_size, self.temperature = trainer, group_size, temperature
         self.loss_name = loss.name
         self.loss_fn = make_loss(loss)
@@ -164,12 +169,21 @@ class TorchTrainer:
             loss.backward()
             within = float(mask[rows_t].sum()) / max(tokens, 1)
             _accumulate(totals, metrics, share=share * within, loss=share * float(loss.detach()))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        grad_norm = self._clip_gradients()
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm at version {self.version}; the step was not taken")
         self.optimizer.step()
         return float(grad_norm)
+
+    optimizer_file = "optimizer.pt"
+
+    def _clip_gradients(self) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+
+    def hf_model(self):
+        """The policy as a Hugging Face model with the current weights (for evaluation and checkpoints)."""
+        return self.model
 
     def weights(self) -> dict[str, np.ndarray]:
         """Views of the live weights as numpy arrays, for a consumer that copies at once (`ray.put`)."""
@@ -181,8 +195,9 @@ class TorchTrainer:
         prompts = task.eval_prompts(limit)
         if not prompts:
             return {}
-        self.model.eval()
-        sampler = TorchSampler(self.model, pad_id=self.pad_id, stop_ids=task.stop_token_ids,
+        model = self.hf_model()
+        model.eval()
+        sampler = TorchSampler(model, pad_id=self.pad_id, stop_ids=task.stop_token_ids,
                                max_new_tokens=max_new_tokens)
         generation = sampler.generate(prompts, self.version, greedy=True)
         rewards = np.array([task.eval_reward(i, generation.response(i)) for i in range(len(prompts))])
@@ -192,15 +207,15 @@ class TorchTrainer:
     # ---- checkpoints -----------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
-        self.model.save_pretrained(directory / "model")
+        self.hf_model().save_pretrained(directory / "model")
         self.tokenizer.save_pretrained(directory / "model")
-        torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+        torch.save(self.optimizer.state_dict(), directory / self.optimizer_file)
         (directory / "trainer.json").write_text(json.dumps({"version": self.version}))
 
     def load_optimizer(self, directory: str | Path) -> None:
         """Restore the optimizer and version saved next to the model this trainer was built from."""
         directory = Path(directory)
-        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
+        self.optimizer.load_state_dict(torch.load(directory / self.optimizer_file, weights_only=True))
         self.version = json.loads((directory / "trainer.json").read_text())["version"]
 
 

@@ -1,0 +1,76 @@
+"""A megatron-core `GPTModel` with the architecture of a Hugging Face Qwen2 / Llama config, and the
+token log-probs of a batch computed vocabulary-parallel (each tensor-parallel rank holds a slice of
+the logits; the full vocabulary is never gathered).
+
+Call after `streamrl.megatron.parallel.initialize` (and `streamrl.megatron.cpu.use_cpu` without CUDA).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from streamrl.megatron.convert import Layout
+
+
+def rope_theta(config: Any) -> float:
+    parameters = getattr(config, "rope_parameters", None) or {}
+    theta = parameters.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("the Hugging Face config names no rope_theta")
+    if parameters.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type {parameters['rope_type']!r} is not supported by the megatron backend")
+    return float(theta)
+
+
+def transformer_config(config: Any, layout: Layout) -> TransformerConfig:
+    """Qwen2 / Llama in megatron-core's terms: RMSNorm, SwiGLU, RoPE, grouped-query attention, no
+    linear biases but (Qwen2) the QKV bias. Local (non-Transformer-Engine) modules, float32, no fusions,
+    so the same model runs on CPU and GPU."""
+    return TransformerConfig(
+        num_layers=layout.layers, hidden_size=layout.hidden, num_attention_heads=layout.heads,
+        num_query_groups=layout.groups, kv_channels=layout.head_dim, ffn_hidden_size=layout.ffn,
+        normalization="RMSNorm", layernorm_epsilon=config.rms_norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=layout.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        use_cpu_initialization=True, params_dtype=torch.float32, bf16=False, fp16=False)
+
+
+def build_model(config: Any) -> tuple[GPTModel, Layout]:
+    """An untrained GPTModel for this rank (load weights with `load_state_dict` from `convert`)."""
+    layout = Layout.from_hf(config)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    layout.check_tp(tp)
+    model = GPTModel(config=transformer_config(config, layout),
+                     transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                     vocab_size=layout.padded_vocab(tp), max_sequence_length=config.max_position_embeddings,
+                     position_embedding_type="rope", rotary_base=rope_theta(config),
+                     share_embeddings_and_output_weights=layout.tied, parallel_output=True)
+    return model, layout
+
+
+def token_logprobs(model: GPTModel, layout: Layout, input_ids: torch.Tensor, *, temperature: float = 1.0
+                   ) -> torch.Tensor:
+    """[n, w − 1] log-probs of tokens 1..w−1 of right-padded rows (a causal mask is enough: padding
+    follows every real token). Vocabulary-parallel: the padded vocabulary rows are masked out."""
+    n, width = input_ids.shape
+    positions = torch.arange(width, device=input_ids.device).expand(n, width)
+    causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=input_ids.device), diagonal=1)
+    logits = model(input_ids, positions, causal[None, None])  # [n, w, vocab / tp]
+    logits = logits[:, :-1].transpose(0, 1) / temperature  # [w − 1, n, vocab / tp], megatron's order
+    shard = logits.shape[-1]
+    first = parallel_state.get_tensor_model_parallel_rank() * shard
+    padded = torch.arange(first, first + shard, device=logits.device) >= layout.vocab
+    if padded.any():
+        logits = logits.masked_fill(padded, float("-inf"))
+    targets = input_ids[:, 1:].transpose(0, 1).contiguous()
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), targets).transpose(0, 1)

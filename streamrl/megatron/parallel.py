@@ -1,0 +1,50 @@
+"""Process groups for the megatron trainer: torch.distributed (NCCL on GPUs, gloo on CPU) and
+megatron-core's tensor / pipeline / data parallel groups over it."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+
+def initialize(*, rank: int = 0, world_size: int = 1, tensor_parallel: int = 1, master_addr: str = "127.0.0.1",
+               master_port: int | None = None, seed: int = 0) -> None:
+    """Join (or, with world size 1, form) the trainer's process group and split it into model-parallel
+    groups. Without CUDA, megatron-core's two CUDA calls are replaced (see `streamrl.megatron.cpu`)."""
+    if world_size % tensor_parallel:
+        raise ValueError(f"tensor parallel size {tensor_parallel} does not divide the {world_size} trainer ranks")
+    if not dist.is_initialized():
+        os.environ["MASTER_ADDR"] = master_addr
+        os.environ["MASTER_PORT"] = str(master_port if master_port is not None else _free_port())
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    tensor_rank = parallel_state.get_tensor_model_parallel_rank()
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+    else:
+        from streamrl.megatron.cpu import use_cpu
+
+        use_cpu(seed, tensor_rank)
+    torch.manual_seed(seed)  # the same initial weights and data order on every rank
+
+
+def shutdown() -> None:
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

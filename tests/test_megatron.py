@@ -1,0 +1,171 @@
+"""The megatron-core backend on CPU (gloo): HF ⇄ Megatron conversion, logits and gradients against the
+Hugging Face model at TP = 1 and 2, and one trainer step against the torch trainer."""
+
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from streamrl.buffer import QueueConfig, ReplayQueue
+from streamrl.buffer.synthetic import synthetic_batch
+from streamrl.config import TrainerSection
+from streamrl.correction import LossConfig, token_logprobs
+from streamrl.megatron.convert import Layout, hf_to_megatron, megatron_to_hf
+from streamrl.models.hf import load_policy
+from streamrl.models.tiny import build_tokenizer
+from streamrl.tasks.reverse import CharVocab
+from streamrl.trainer.torch_trainer import TorchTrainer
+from streamrl.weights.arrays import state_arrays
+
+VOCAB = len(CharVocab())  # 17: odd, so TP = 2 pads the vocabulary
+
+
+def hf_model(kind: str) -> torch.nn.Module:
+    """Grouped-query attention (4 heads, 2 key/value heads); norms and biases randomised so that a
+    misplaced one shows."""
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name.endswith(("norm.weight", ".bias")):
+                tensor.copy_(1 + 0.3 * torch.randn_like(tensor))
+    return model
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def model_dir(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(f"hf-{request.param}")
+    hf_model(request.param).save_pretrained(directory)
+    build_tokenizer(CharVocab()).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_hf_to_megatron_to_hf_is_an_exact_round_trip(kind, tp):
+    model = hf_model(kind)
+    layout = Layout.from_hf(model.config)
+    hf = model.state_dict()
+    shards = [hf_to_megatron(hf, layout, rank=r, tp=tp) for r in range(tp)]
+    back = megatron_to_hf(shards, layout)
+    assert set(back) == set(state_arrays(model))  # HF names, tied embeddings once
+    for name, tensor in back.items():
+        assert torch.equal(tensor, hf[name]), name
+    qkv = shards[0]["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert qkv.shape == ((4 + 2 * 2) * 8 // tp, 32)  # whole query groups per rank: q heads, k, v
+    assert shards[0]["embedding.word_embeddings.weight"].shape[0] == layout.padded_vocab(tp) // tp
+
+
+def test_conversion_refuses_what_it_cannot_split_or_does_not_know():
+    layout = Layout.from_hf(hf_model("qwen2").config)
+    with pytest.raises(ValueError, match="tensor parallel size 4 does not divide key/value heads = 2"):
+        hf_to_megatron(hf_model("qwen2").state_dict(), layout, tp=4)
+    with pytest.raises(KeyError, match="lack"):
+        hf_to_megatron({}, layout)
+    gpt2 = type("Config", (), {"model_type": "gpt2"})()
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        Layout.from_hf(gpt2)
+
+
+# ---- megatron-core in worker processes (gloo), one per tensor-parallel rank ------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(worker, world: int, *args) -> None:
+    mp.spawn(worker, args=(world, free_port(), *args), nprocs=world, join=True)
+
+
+def token_batch(n: int = 3, width: int = 9) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(7).integers(0, VOCAB, (n, width)))
+
+
+def forward_worker(rank, world, port, model_dir, out):
+    torch.set_num_threads(1)
+    from streamrl.megatron import parallel
+    from streamrl.megatron.model import build_model, token_logprobs
+
+    parallel.initialize(rank=rank, world_size=world, tensor_parallel=world, master_port=port)
+    hf, _ = load_policy(model_dir)
+    model, layout = build_model(hf.config)
+    model.load_state_dict(hf_to_megatron(hf.state_dict(), layout, rank=rank, tp=world), strict=False)
+    ids = token_batch()
+    width = ids.shape[1]
+    causal = torch.triu(torch.ones(width, width, dtype=torch.bool), 1)[None, None]
+    logits = model(ids, torch.arange(width).expand_as(ids), causal).detach()
+    logprobs = token_logprobs(model, layout, ids, temperature=0.7)
+    logprobs.sum().backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    torch.save({"logits": logits, "logprobs": logprobs.detach(), "grads": grads}, f"{out}/rank{rank}.pt")
+    parallel.shutdown()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_logits_logprobs_and_gradients_match_the_hf_model(model_dir, tmp_path, tp):
+    run_ranks(forward_worker, tp, str(model_dir), str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(tp)]
+    hf, _ = load_policy(model_dir, train=True)
+    layout = Layout.from_hf(hf.config)
+    ids = token_batch()
+    logits = hf(input_ids=ids).logits
+    megatron_logits = torch.cat([r["logits"] for r in ranks], dim=-1)[..., :VOCAB]
+    torch.testing.assert_close(megatron_logits, logits.detach(), atol=1e-4, rtol=0)
+    logprobs = token_logprobs(logits[:, :-1] / 0.7, ids[:, 1:])
+    for r in ranks:  # every rank holds the whole log-probs: only the logits were split
+        torch.testing.assert_close(r["logprobs"], logprobs.detach(), atol=1e-4, rtol=0)
+    logprobs.sum().backward()
+    grads = megatron_to_hf([r["grads"] for r in ranks], layout)
+    for name, param in hf.named_parameters():
+        if name in grads:
+            torch.testing.assert_close(grads[name], param.grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def step_batch():
+    queue = ReplayQueue(QueueConfig(group_size=4, groups_per_step=4, max_in_flight=64))
+    return synthetic_batch(queue.admit(0, 4).tickets, 4, prompt_len=(2, 5), response_len=(2, 7), vocab_size=VOCAB,
+                           rng=np.random.default_rng(5))
+
+
+STEP = dict(lr=1e-2, minibatches=2, micro_batch_tokens=24)
+
+
+def trainer_worker(rank, world, port, model_dir, out):
+    torch.set_num_threads(1)
+    from streamrl.trainer.megatron_trainer import MegatronTrainer
+
+    trainer = MegatronTrainer(model_dir, trainer=TrainerSection(tensor_parallel=world, **STEP),
+                              loss=LossConfig(name="decoupled_ppo"), group_size=4, rank=rank, world_size=world,
+                              master_port=port)
+    metrics = trainer.train(step_batch())
+    state = trainer.hf_state()
+    if rank == 0:
+        torch.save({"metrics": metrics, "state": state, "version": trainer.version}, f"{out}/step.pt")
+    trainer.close()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_one_megatron_trainer_step_matches_the_torch_trainer(model_dir, tmp_path, tp):
+    run_ranks(trainer_worker, tp, str(model_dir), str(tmp_path))
+    result = torch.load(tmp_path / "step.pt", weights_only=True)
+    reference = TorchTrainer(model_dir, trainer=TrainerSection(**STEP), loss=LossConfig(name="decoupled_ppo"),
+                             group_size=4)
+    metrics = reference.train(step_batch())
+    assert result["version"] == 1
+    assert result["metrics"]["loss"] == pytest.approx(metrics["loss"], abs=1e-5)
+    assert result["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)
+    for name, tensor in reference.model.state_dict().items():
+        # A key bias adds q·b to every key of a query alike, which the softmax cancels: its true gradient
+        # is 0, AdamW turns the rounding noise left in it into a step of up to lr, so it is not compared.
+        if name in result["state"] and not name.endswith("k_proj.bias"):
+            torch.testing.assert_close(result["state"][name], tensor, atol=1e-4, rtol=0, msg=name)
