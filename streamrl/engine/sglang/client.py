@@ -1,0 +1,147 @@
+"""sglang's HTTP endpoints, one method each, over the standard library (token ids in, token ids out).
+
+Shapes follow sglang's `http_server.py` / `io_struct.py`; a non-2xx answer raises `SglangError` with
+the server's message, a server that cannot be reached raises `EngineUnreachable` (the caller restarts it).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+
+class SglangError(RuntimeError):
+    """The server answered, with an error."""
+
+
+class EngineUnreachable(ConnectionError):
+    """The server did not answer: it died, or never started."""
+
+
+@dataclass
+class Segment:
+    """What one `/generate` call produced: a whole response, or its prefix when aborted."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish: str  # "stop", "length" or "abort"
+    weight_version: str | None  # the version of the weights that generated every token of it
+
+
+class SglangClient:
+    def __init__(self, url: str, *, timeout_s: float = 3600.0):
+        parts = urlsplit(url)
+        self.url, self.host, self.port = url, parts.hostname or "127.0.0.1", parts.port or 80
+        self.timeout_s = timeout_s
+
+    def call(self, path: str, payload: dict[str, Any] | None = None, *, method: str = "POST",
+             timeout_s: float | None = None) -> dict[str, Any]:
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s or self.timeout_s)
+        try:
+            body = None if payload is None else json.dumps(payload)
+            connection.request(method, path, body=body, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            data = response.read()
+        except (ConnectionError, http.client.HTTPException, TimeoutError, OSError) as exc:
+            raise EngineUnreachable(f"sglang server {self.url}{path}: {exc}") from exc
+        finally:
+            connection.close()
+        answer = json.loads(data) if data else {}
+        if response.status >= 300 or (isinstance(answer, dict) and answer.get("success") is False):
+            raise SglangError(f"sglang server {self.url}{path} answered {response.status}: {_message(answer)}")
+        return answer
+
+    # ---- generation ------------------------------------------------------------------------------------
+    def generate(self, input_ids: list[int], *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 stop_token_ids: list[int] | None = None, rid: str | None = None, seed: int | None = None
+                 ) -> Segment:
+        sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": -1,
+                    "stop_token_ids": stop_token_ids or [], "skip_special_tokens": False, "no_stop_trim": True}
+        if seed is not None:
+            sampling["sampling_seed"] = seed
+        payload: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True,
+                                   "logprob_start_len": -1}  # log-probs of the output tokens only
+        if rid is not None:
+            payload["rid"] = rid
+        meta = self.call("/generate", payload)["meta_info"]
+        # The tokens come from the log-prob entries [logprob, token_id, text]: some 0.5.x builds prefix
+        # `output_ids` with prompt tokens (sglang issues #10896, #17240).
+        entries = meta.get("output_token_logprobs") or []
+        return Segment(tokens=[int(entry[1]) for entry in entries], logprobs=[float(entry[0]) for entry in entries],
+                       finish=str(meta["finish_reason"]["type"]) if meta.get("finish_reason") else "abort",
+                       weight_version=meta.get("weight_version"))
+
+    def abort(self, rid: str | None = None) -> None:
+        """Abort one request (sglang matches ids by prefix: use fixed-width ids) or, without `rid`, all."""
+        self.call("/abort_request", {"rid": rid or "", "abort_all": rid is None})
+
+    # ---- weights ---------------------------------------------------------------------------------------
+    def pause_generation(self, mode: str = "abort") -> None:
+        """"abort": running requests end now and return what they made (their callers continue them
+        once generation resumes, with the new weights); new requests wait."""
+        self.call("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> None:
+        self.call("/continue_generation", {})
+
+    def update_weight_version(self, version: int | str) -> None:
+        # abort_all_requests defaults to true in sglang; the caller has already paused and drained
+        self.call("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+
+    def update_weights_from_disk(self, model_path: str, version: int | str | None = None) -> None:
+        payload: dict[str, Any] = {"model_path": model_path, "load_format": "auto"}
+        if version is not None:
+            payload["weight_version"] = str(version)
+        self.call("/update_weights_from_disk", payload)
+
+    def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str, backend: str = "nccl") -> None:
+        self.call("/init_weights_update_group", {"master_address": master_address, "master_port": master_port,
+                                                 "rank_offset": rank_offset, "world_size": world_size,
+                                                 "group_name": group_name, "backend": backend})
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+                                        group_name: str, version: int | str | None = None,
+                                        flush_cache: bool = False) -> None:
+        """Announce one bucket the trainer's first rank is about to broadcast over the update group."""
+        payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                                   "flush_cache": flush_cache}
+        if version is not None:
+            payload["weight_version"] = str(version)
+        self.call("/update_weights_from_distributed", payload)
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None = None,
+                                   version: int | str | None = None, flush_cache: bool = True) -> None:
+        """Colocated: tensors passed by CUDA IPC handle (serialised by sglang's `MultiprocessingSerializer`)."""
+        payload: dict[str, Any] = {"serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
+                                   "flush_cache": flush_cache}
+        if version is not None:
+            payload["weight_version"] = str(version)
+        self.call("/update_weights_from_tensor", payload)
+
+    # ---- memory (colocated with the trainer, torch-memory-saver) ----------------------------------------
+    def release_memory_occupation(self) -> None:
+        self.call("/release_memory_occupation", {})
+
+    def resume_memory_occupation(self) -> None:
+        self.call("/resume_memory_occupation", {})
+
+    def healthy(self) -> bool:
+        """`/health_generate` (it runs a one-token generation): `/health`'s meaning varies by version."""
+        try:
+            self.call("/health_generate", method="GET", timeout_s=30.0)
+            return True
+        except (EngineUnreachable, SglangError):
+            return False
+
+
+def _message(answer: Any) -> str:
+    if isinstance(answer, dict):
+        error = answer.get("error")
+        if isinstance(error, dict):
+            return str(error.get("message", error))
+        return str(answer.get("message") or error or answer)
+    return str(answer)

@@ -1,0 +1,171 @@
+"""Samples from sglang servers with the exact policy version of every token, and weight updates that
+pause one server at a time.
+
+```
+ sample:  generate(prompt + tokens so far) ─► segment (tokens, log-probs, finish)
+            finish = abort (a weight update cut it): continue from where it stopped, with the new weights
+            every token of a segment is stamped with the version the server held while it ran
+ update:  close the gate (no new request) ─► pause_generation(abort) ─► running requests return
+            ─► load the weights ─► update_weight_version ─► continue_generation ─► open the gate
+ crash:   a request that cannot reach its server restarts it, reloads the newest weights, and raises
+          EngineLost: the caller gives the group's prompt back
+```
+No request is in flight while weights load (the update waits until every running request has come
+back), so a segment never spans two versions; a server that reports `weight_version` is checked
+against it. Updating one engine never holds up another: each has its own gate.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from streamrl.buffer.schema import LENGTH, STOP
+from streamrl.engine.sglang.client import EngineUnreachable, SglangClient, SglangError
+from streamrl.engine.sglang.server import ServerProcess
+
+Loader = Callable[[SglangClient], None]  # puts one version's weights into a server
+
+
+class EngineLost(RuntimeError):
+    """A server died under a request; it was restarted with the newest weights, the sample is lost."""
+
+
+@dataclass
+class Sample:
+    tokens: np.ndarray  # int32, stop token included
+    logprobs: np.ndarray  # float32, behaviour log-prob per token
+    versions: np.ndarray  # int32, policy version per token
+    finish: int  # STOP or LENGTH
+    segments: int  # generate calls it took (> 1: continued across weight updates)
+
+
+class SglangEngine:
+    def __init__(self, client: SglangClient, *, server: ServerProcess | None = None, version: int = 0,
+                 drain_poll_s: float = 0.2):
+        self.client, self.server = client, server
+        self.version = version
+        self.drain_poll_s = drain_poll_s
+        self._cond = threading.Condition()
+        self._updating = False
+        self._in_flight = 0
+        self._restart_lock = threading.Lock()
+        self._loaded: tuple[int, Loader] | None = None  # the newest weights, to reload after a restart
+        self.stats = {"segments": 0, "continued": 0, "updates": 0, "update_s": 0.0, "restarts": 0}
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    # ---- generation ------------------------------------------------------------------------------------
+    def sample(self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int] = (),
+               temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None) -> Sample:
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        segments = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: not self._updating)
+                self._in_flight += 1
+                version = self.version
+            try:
+                segment = self.client.generate(list(prompt) + tokens, max_new_tokens=max_new_tokens - len(tokens),
+                                               temperature=temperature, top_p=top_p,
+                                               stop_token_ids=list(stop_token_ids), seed=seed,
+                                               rid=uuid.uuid4().hex)  # fixed width: prefix-free
+            except EngineUnreachable as exc:
+                self._recover(exc)
+                raise EngineLost(f"{self.client.url} died under a request; it was restarted") from exc
+            finally:
+                with self._cond:
+                    self._in_flight -= 1
+                    self._cond.notify_all()
+            if segment.weight_version not in (None, "default", str(version)):
+                raise SglangError(f"{self.client.url} generated with weights {segment.weight_version!r} while "
+                                  f"streamrl had loaded version {version}")
+            segments += 1
+            self.stats["segments"] += 1
+            tokens += segment.tokens
+            logprobs += segment.logprobs
+            versions += [version] * len(segment.tokens)
+            if segment.finish != "abort" or len(tokens) >= max_new_tokens:
+                break
+            self.stats["continued"] += 1  # cut by a weight update: go on with the new weights
+        finish = STOP if segment.finish == "stop" else LENGTH
+        return Sample(np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32),
+                      np.asarray(versions, np.int32), finish, segments)
+
+    # ---- weights ---------------------------------------------------------------------------------------
+    def update_weights(self, version: int, load: Loader) -> float:
+        """Pause this server, load `version` with `load`, resume; the seconds it was paused. A failed
+        load leaves the server paused and raises (its weights are then unknown)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._updating)
+            self._updating = True
+        started = time.perf_counter()
+        try:
+            self.client.pause_generation("abort")
+            self._drain()
+            load(self.client)
+            self.client.update_weight_version(version)
+            self._loaded = (version, load)
+            self.version = version
+            self.client.continue_generation()
+        finally:
+            with self._cond:
+                self._updating = False
+                self._cond.notify_all()
+        paused = time.perf_counter() - started
+        self.stats["updates"] += 1
+        self.stats["update_s"] += paused
+        return paused
+
+    def _drain(self) -> None:
+        """Wait until every running request has returned. A request that reached the server after the
+        pause waits there, not running: abort it too (its caller continues it after the update)."""
+        with self._cond:
+            while self._in_flight and not self._cond.wait_for(lambda: self._in_flight == 0,
+                                                              timeout=self.drain_poll_s):
+                self.client.abort()
+
+    def _recover(self, cause: BaseException) -> None:
+        """Restart a dead server (once, whichever request noticed first) and reload the newest weights."""
+        if self.server is None:
+            raise EngineLost(f"{self.client.url} is unreachable and streamrl did not start it") from cause
+        with self._restart_lock:
+            if self.server.alive() and self.server.healthy():
+                return  # another request already restarted it
+            self.server.restart()
+            self.stats["restarts"] += 1
+            if self._loaded is not None:
+                version, load = self._loaded
+                load(self.client)
+                self.client.update_weight_version(version)
+
+
+class EnginePool:
+    """A producer's servers: each sample goes to the least busy one; updates roll through them one at
+    a time, so all but one keep generating."""
+
+    def __init__(self, engines: Sequence[SglangEngine]):
+        if not engines:
+            raise ValueError("an engine pool needs at least one engine")
+        self.engines = list(engines)
+        self._lock = threading.Lock()
+
+    def pick(self) -> SglangEngine:
+        with self._lock:
+            return min(self.engines, key=lambda e: e.in_flight)
+
+    def update_weights(self, version: int, load: Loader) -> list[float]:
+        return [engine.update_weights(version, load) for engine in self.engines]
+
+    @property
+    def version(self) -> int:
+        return min(engine.version for engine in self.engines)

@@ -1,0 +1,117 @@
+"""An sglang server as a child process of its producer: started, health-checked, restarted, stopped.
+
+The producer owns its servers (one per GPU group): each runs under a guard (`guard.py`) that ends it
+when the producer's process is gone, in its own process group so that stopping it stops its scheduler
+and detokenizer children too; a server that dies is restarted by its producer while the other
+servers keep generating.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class ServerSpec:
+    """How to start one server: `python -m sglang.launch_server` with these settings."""
+
+    model_path: str
+    host: str = "127.0.0.1"  # loopback unless the engines must be reached from another node
+    port: int = 30000
+    tensor_parallel: int = 1
+    mem_fraction: float = 0.8
+    memory_saver: bool = False  # torch-memory-saver: release and resume when colocated with the trainer
+    seed: int = 0
+    extra_args: list[str] = field(default_factory=list)
+
+    def command(self) -> list[str]:
+        command = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+                   "--host", self.host, "--port", str(self.port), "--tp-size", str(self.tensor_parallel),
+                   "--mem-fraction-static", str(self.mem_fraction), "--random-seed", str(self.seed),
+                   "--skip-tokenizer-init"]  # streamrl sends and receives token ids only
+        if self.memory_saver:
+            command.append("--enable-memory-saver")
+        return command + self.extra_args
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class ServerProcess:
+    def __init__(self, spec: ServerSpec, *, command: list[str] | None = None, log_dir: str | Path | None = None,
+                 startup_timeout_s: float = 600.0):
+        self.spec = spec
+        self._command = command or spec.command()
+        self._log_dir = Path(log_dir) if log_dir else None
+        self.startup_timeout_s = startup_timeout_s
+        self.process: subprocess.Popen | None = None
+        self.restarts = 0
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    def start(self) -> None:
+        if self.alive():
+            raise RuntimeError(f"the server at {self.url} is already running (pid {self.process.pid})")
+        log = subprocess.DEVNULL
+        if self._log_dir is not None:
+            self._log_dir.mkdir(parents=True, exist_ok=True)
+            log = open(self._log_dir / f"sglang-{self.spec.port}.log", "ab")  # noqa: SIM115 - the child owns it
+        guarded = [sys.executable, "-m", "streamrl.engine.sglang.guard", "--parent", str(os.getpid()), "--",
+                   *self._command]
+        self.process = subprocess.Popen(guarded, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        if log is not subprocess.DEVNULL:
+            log.close()  # the child holds its own descriptor
+        self.wait_healthy()
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"the sglang server for {self.url} exited with code {self.process.returncode} "
+                                   f"while starting: {' '.join(self._command)}")
+            if self.healthy():
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"the sglang server at {self.url} was not healthy within {self.startup_timeout_s:.0f} s")
+
+    def healthy(self, timeout: float = 30.0) -> bool:
+        """Ready to generate (`/health_generate` runs a one-token generation; `/health` varies by version)."""
+        try:
+            with urllib.request.urlopen(self.url + "/health_generate", timeout=timeout) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def restart(self) -> None:
+        self.stop()
+        self.restarts += 1
+        self.start()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to the server's process group (its scheduler and detokenizer children too), SIGKILL
+        after `grace_s`."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        group = os.getpgid(self.process.pid)
+        os.killpg(group, signal.SIGTERM)
+        try:
+            self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(group, signal.SIGKILL)
+            self.process.wait()
+

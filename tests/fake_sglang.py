@@ -1,0 +1,177 @@
+"""A loopback stand-in for an sglang server: the HTTP endpoints streamrl drives, with sglang's JSON
+shapes, and a toy model behind them (a seeded random distribution per weight version and context),
+so the client's protocol can be tested without a GPU. Run as a script:
+
+    python tests/fake_sglang.py --port 30001 [--token-delay-s 0.002] [--update-delay-s 0.5]
+
+Requests queue while generation is paused; `pause_generation` with mode "abort" ends the running
+requests with finish reason abort and the tokens made so far. `GET /fake/calls` lists the calls in order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+
+class ToyModel:
+    def __init__(self, vocab_size: int, seed: int):
+        self.vocab_size, self.seed = vocab_size, seed
+
+    def distribution(self, version: str, context: list[int], temperature: float) -> list[float]:
+        rng = random.Random(f"{self.seed}/{version}/{context[-2:]}")
+        logits = [rng.gauss(0.0, 2.0) / temperature for _ in range(self.vocab_size)]
+        top = max(logits)
+        weights = [math.exp(x - top) for x in logits]
+        total = sum(weights)
+        return [w / total for w in weights]
+
+
+class State:
+    def __init__(self, args):
+        self.model = ToyModel(args.vocab_size, args.seed)
+        self.token_delay_s, self.update_delay_s = args.token_delay_s, args.update_delay_s
+        self.cond = threading.Condition()
+        self.paused = False
+        self.released = False
+        self.weight_version = "default"
+        self.running: dict[str, bool] = {}  # rid -> abort requested
+        self.calls: list[dict] = []
+        self.next_rid = 0
+
+
+def generate(state: State, body: dict) -> dict:
+    ids = body.get("input_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+        raise ValueError("input_ids must be a non-empty list of token ids")
+    params = body.get("sampling_params") or {}
+    max_new = int(params.get("max_new_tokens", 128))
+    stop_ids = set(params.get("stop_token_ids") or [])
+    temperature = float(params.get("temperature", 1.0))
+    with state.cond:
+        if state.released:
+            raise ValueError("memory is released: resume_memory_occupation first")
+        rid = body.get("rid") or f"fake-{state.next_rid}"
+        state.next_rid += 1
+        state.running[rid] = False  # waiting counts: an abort reaches requests held by a pause too
+        state.cond.wait_for(lambda: not state.paused or state.running[rid])  # held while paused
+        version = state.weight_version
+    rng = random.Random(f"{params.get('sampling_seed', 0)}/{rid}/{len(ids)}")
+    context, out, logprobs, finish = list(ids), [], [], {"type": "length", "length": max_new}
+    try:
+        while len(out) < max_new:
+            time.sleep(state.token_delay_s)
+            with state.cond:
+                if state.running[rid]:
+                    finish = {"type": "abort", "message": "Abort before generation finished."}
+                    break
+            probs = state.model.distribution(version, context, temperature)
+            token = rng.choices(range(len(probs)), probs)[0]
+            out.append(token)
+            logprobs.append([math.log(probs[token]), token, None])
+            context.append(token)
+            if token in stop_ids:
+                finish = {"type": "stop", "matched": token}
+                break
+    finally:
+        with state.cond:
+            del state.running[rid]
+    return {"output_ids": out, "meta_info": {
+        "id": rid, "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": len(out),
+        "output_token_logprobs": logprobs, "weight_version": version}}
+
+
+def handle(state: State, path: str, body: dict) -> tuple[int, dict]:
+    if path == "/generate":
+        return 200, generate(state, body)
+    with state.cond:
+        if path == "/pause_generation":
+            state.paused = True
+            if body.get("mode", "abort") == "abort":
+                for rid in state.running:
+                    state.running[rid] = True
+                state.cond.notify_all()
+            return 200, {"success": True, "message": "Generation paused."}
+        if path == "/continue_generation":
+            state.paused = False
+            state.cond.notify_all()
+            return 200, {"success": True, "message": "Generation continued."}
+        if path == "/abort_request":
+            for rid in state.running:
+                if body.get("abort_all") or rid.startswith(body.get("rid") or "\0"):  # prefix, as sglang
+                    state.running[rid] = True
+            state.cond.notify_all()
+            return 200, {}
+        if path == "/update_weight_version":
+            state.weight_version = str(body["new_version"])
+            return 200, {"success": True, "new_version": state.weight_version}
+        if path in ("/release_memory_occupation", "/resume_memory_occupation"):
+            state.released = path == "/release_memory_occupation"
+            return 200, {"success": True}
+        if path in ("/init_weights_update_group", "/update_weights_from_distributed", "/update_weights_from_tensor"):
+            return 200, {"success": True, "message": "recorded (the fake server moves no tensors)"}
+    if path == "/update_weights_from_disk":
+        time.sleep(state.update_delay_s)  # loading takes time; other servers keep generating meanwhile
+        if not (Path(body.get("model_path", "")) / "config.json").is_file():
+            return 400, {"success": False, "message": f"no model at {body.get('model_path')!r}"}
+        with state.cond:
+            if body.get("weight_version") is not None:
+                state.weight_version = str(body["weight_version"])
+        return 200, {"success": True, "message": "Succeeded to update model weights."}
+    return 404, {"error": f"unknown endpoint {path}"}
+
+
+def serve(args) -> None:
+    state = State(args)
+
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self, status: int, payload: dict) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802 - http.server's naming
+            if self.path in ("/health", "/health_generate"):
+                return self._reply(200, {})
+            if self.path == "/get_weight_version":
+                return self._reply(200, {"weight_version": state.weight_version})
+            if self.path == "/fake/calls":
+                with state.cond:
+                    return self._reply(200, {"calls": list(state.calls)})
+            return self._reply(404, {"error": f"unknown endpoint {self.path}"})
+
+        def do_POST(self):  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            with state.cond:
+                state.calls.append({"path": self.path, "t": time.time(), "body": body})
+            try:
+                status, payload = handle(state, self.path, body)
+            except (ValueError, KeyError) as exc:
+                status, payload = 400, {"error": {"message": str(exc)}}
+            self._reply(status, payload)
+
+        def log_message(self, *args):  # quiet
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    server.daemon_threads = True
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--vocab-size", type=int, default=17)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--token-delay-s", type=float, default=0.002)
+    parser.add_argument("--update-delay-s", type=float, default=0.2)
+    serve(parser.parse_args())

@@ -1,0 +1,216 @@
+"""The sglang engine against loopback stand-ins of its servers (tests/fake_sglang.py): the client's
+request and response shapes, exact per-token versions across a weight update, per-engine updates,
+restart after a crash."""
+
+import importlib.util
+import json
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from streamrl.buffer.schema import LENGTH, STOP
+from streamrl.engine.sglang.client import SglangClient, SglangError
+from streamrl.engine.sglang.engine import EngineLost, EnginePool, SglangEngine
+from streamrl.engine.sglang.server import ServerProcess, ServerSpec
+
+FAKE = Path(__file__).with_name("fake_sglang.py")
+spec = importlib.util.spec_from_file_location("fake_sglang", FAKE)
+fake = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fake)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_fake(*flags: str) -> ServerProcess:
+    port = free_port()
+    server = ServerProcess(ServerSpec(model_path="unused", port=port),
+                           command=[sys.executable, str(FAKE), "--port", str(port), *flags], startup_timeout_s=30)
+    server.start()
+    return server
+
+
+@pytest.fixture
+def server():
+    process = start_fake("--token-delay-s", "0.004", "--update-delay-s", "0.3")
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def weights_dir(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # what update_weights_from_disk loads, for the stand-in
+    return tmp_path
+
+
+def calls(server: ServerProcess) -> list[dict]:
+    return SglangClient(server.url).call("/fake/calls", method="GET")["calls"]
+
+
+def disk_loader(path):
+    return lambda client: client.update_weights_from_disk(str(path))
+
+
+def test_the_launch_command_binds_to_loopback_and_sends_token_ids_only():
+    command = ServerSpec(model_path="/models/qwen", port=31000, tensor_parallel=2, mem_fraction=0.6,
+                         memory_saver=True).command()
+    assert command[1:3] == ["-m", "sglang.launch_server"]
+    flags = dict(zip(command[3::2], command[4::2]))
+    assert flags["--host"] == "127.0.0.1" and flags["--tp-size"] == "2" and flags["--mem-fraction-static"] == "0.6"
+    assert "--skip-tokenizer-init" in command and "--enable-memory-saver" in command
+
+
+def test_generate_returns_tokens_log_probs_and_finish_in_sglang_shapes(server):
+    engine = SglangEngine(SglangClient(server.url))
+    sample = engine.sample([1, 2, 3], max_new_tokens=12, temperature=0.8)
+    assert len(sample.tokens) == len(sample.logprobs) == len(sample.versions) <= 12
+    assert (sample.logprobs <= 0).all() and set(sample.versions) == {0} and sample.segments == 1
+    assert sample.finish == LENGTH if len(sample.tokens) == 12 else STOP
+    request = [c for c in calls(server) if c["path"] == "/generate"][0]["body"]
+    assert request["input_ids"] == [1, 2, 3] and request["return_logprob"] is True
+    assert request["sampling_params"]["max_new_tokens"] == 12 and request["sampling_params"]["no_stop_trim"]
+    stopped = engine.sample([4], max_new_tokens=200, stop_token_ids=list(range(17)))  # every token stops
+    assert len(stopped.tokens) == 1 and stopped.finish == STOP
+
+
+def test_a_weight_update_mid_sample_continues_it_and_stamps_every_token_exactly(server, weights_dir):
+    engine = SglangEngine(SglangClient(server.url))
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(sample=engine.sample([5, 6], max_new_tokens=150)))
+    worker.start()
+    time.sleep(0.2)  # ~50 tokens in
+    engine.update_weights(1, disk_loader(weights_dir))
+    worker.join(timeout=30)
+    sample = result["sample"]
+    assert len(sample.tokens) == 150 and sample.segments == 2 and engine.stats["continued"] == 1
+    switch = int((sample.versions == 0).sum())
+    assert 0 < switch < 150 and list(sample.versions) == [0] * switch + [1] * (150 - switch)
+    # Each token's log-prob is that of the weights it is stamped with (the stand-in's toy model).
+    toy, context = fake.ToyModel(17, 0), [5, 6]
+    for token, logprob, version in zip(sample.tokens, sample.logprobs, sample.versions):
+        probs = toy.distribution("default" if version == 0 else str(version), context, 1.0)
+        assert logprob == pytest.approx(math.log(probs[token]), abs=1e-6)
+        context.append(int(token))
+    sequence = [c["path"] for c in calls(server)]
+    assert sequence == ["/generate", "/pause_generation", "/update_weights_from_disk", "/update_weight_version",
+                        "/continue_generation", "/generate"]
+    generates = [c["body"] for c in calls(server) if c["path"] == "/generate"]
+    assert generates[1]["input_ids"] == [5, 6, *sample.tokens[:switch].tolist()]  # continued, not restarted
+    assert generates[1]["sampling_params"]["max_new_tokens"] == 150 - switch
+
+
+def test_updating_one_engine_never_holds_up_another(weights_dir):
+    servers = [start_fake("--token-delay-s", "0.002", "--update-delay-s", "1.0") for _ in range(2)]
+    try:
+        pool = EnginePool([SglangEngine(SglangClient(s.url)) for s in servers])
+        busy, done, stop = pool.engines[1], [], threading.Event()
+
+        def generate():
+            while not stop.is_set():
+                busy.sample([1], max_new_tokens=5)
+                done.append(time.monotonic())
+
+        worker = threading.Thread(target=generate)
+        worker.start()
+        time.sleep(0.2)
+        began = time.monotonic()
+        paused = pool.engines[0].update_weights(3, disk_loader(weights_dir))
+        ended = time.monotonic()
+        stop.set()
+        worker.join(timeout=30)
+        assert paused >= 1.0  # engine 0 was loading for a second ...
+        assert sum(began < t < ended for t in done) >= 10  # ... while engine 1 went on generating
+        assert pool.engines[0].version == 3 and pool.engines[1].version == 0 and pool.version == 0
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_a_server_that_dies_is_restarted_with_the_newest_weights_and_the_sample_is_lost(server, weights_dir):
+    engine = SglangEngine(SglangClient(server.url), server=server)
+    engine.update_weights(2, disk_loader(weights_dir))
+    errors = []
+
+    def long_sample():
+        try:
+            engine.sample([1], max_new_tokens=2000)
+        except EngineLost as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=long_sample)
+    worker.start()
+    time.sleep(0.3)
+    os.killpg(os.getpgid(server.process.pid), signal.SIGKILL)
+    worker.join(timeout=60)
+    assert len(errors) == 1 and server.restarts == 1 and engine.stats["restarts"] == 1
+    assert [c["path"] for c in calls(server)][:2] == ["/update_weights_from_disk", "/update_weight_version"]
+    after = engine.sample([1], max_new_tokens=4)  # the new server, on the newest weights
+    assert set(after.versions) == {2}
+
+
+def test_server_errors_name_the_problem_and_a_failed_load_leaves_the_version(server, tmp_path):
+    engine = SglangEngine(SglangClient(server.url))
+    with pytest.raises(SglangError, match="input_ids must be a non-empty list"):
+        engine.sample([], max_new_tokens=3)
+    with pytest.raises(SglangError, match="no model at"):
+        engine.update_weights(1, disk_loader(tmp_path / "missing"))
+    assert engine.version == 0 and engine.stats["updates"] == 0
+
+
+def test_stopping_a_server_leaves_no_process(server):
+    pid = server.process.pid
+    server.stop()
+    assert not server.alive()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert json.dumps(server.spec.url)  # the spec outlives the process
+
+
+def running_in_group(pgid: int) -> list[int]:
+    """Processes of a process group that are not zombies (an orphan's exit may be reaped late here)."""
+    running = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            running.append(int(stat.parent.name))
+    return running
+
+
+def test_a_server_does_not_outlive_a_producer_killed_with_sigkill():
+    import subprocess
+
+    port = free_port()
+    owner = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+from streamrl.engine.sglang.server import ServerProcess, ServerSpec
+server = ServerProcess(ServerSpec(model_path="unused", port={port}),
+                       command=[sys.executable, {str(FAKE)!r}, "--port", "{port}"], startup_timeout_s=30)
+server.start()
+print(server.process.pid, flush=True)
+time.sleep(600)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        guard = int(owner.stdout.readline())
+        assert SglangClient(f"http://127.0.0.1:{port}").healthy()
+        owner.kill()  # SIGKILL: no cleanup code of the producer runs
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and SglangClient(f"http://127.0.0.1:{port}").healthy():
+            time.sleep(0.1)
+        assert not SglangClient(f"http://127.0.0.1:{port}").healthy()  # the guard ended the server
+        assert not running_in_group(guard)  # nothing of its process group is left (zombies aside)
+    finally:
+        owner.kill()
