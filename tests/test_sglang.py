@@ -214,3 +214,66 @@ time.sleep(600)
         assert not running_in_group(guard)  # nothing of its process group is left (zombies aside)
     finally:
         owner.kill()
+
+
+# ---- the producer over two stand-in servers, against the real queue and weight registry ------------------
+
+def test_an_sglang_producer_feeds_the_queue_within_budget_with_exact_versions_and_loses_nothing(tmp_path):
+    import numpy as np
+
+    from streamrl.buffer import QueueConfig, ReplayQueue, validate_batch
+    from streamrl.rollout.sglang_producer import DiskWeights, SglangProducer
+    from streamrl.sim.task import SimTask
+    from streamrl.sim.workload import SimWorkload
+    from streamrl.weights.registry import WeightRegistry
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    servers = [start_fake("--token-delay-s", "0.001", "--update-delay-s", "0.05") for _ in range(2)]
+    queue = ReplayQueue(QueueConfig(group_size=4, groups_per_step=2, max_staleness=1, max_in_flight=8))
+    registry = WeightRegistry()
+    registry.publish(0, {"w": np.zeros(3, np.float32)})
+    work = SimWorkload(prompt_tokens=4, vocab_size=17)
+    producer = SglangProducer(
+        0, queue=queue, pool=EnginePool([SglangEngine(SglangClient(s.url), server=s) for s in servers]),
+        task=SimTask(work), group_size=4, max_groups=4, max_new_tokens=24,
+        fetch=lambda have, timeout: registry.acquire(0, have, timeout), disk=DiskWeights(base, tmp_path / "w"),
+        weight_poll_s=0.05)
+    stop, errors, consumed, newest = threading.Event(), [], [], 0
+
+    def run():
+        try:
+            producer.run(stop)
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    try:
+        for version in range(1, 7):  # a trainer: take a step's groups, move the version, publish
+            got = queue.get(timeout=30)
+            assert got is not None, "the producer stopped feeding the trainer"
+            for group in got.groups:
+                validate_batch(group.payload, group_size=4, trainer_version=got.version)
+                newest = max(newest, max(group.payload.column("versions").flatten().to_pylist()))
+            assert max(got.staleness) <= 1
+            consumed += [(g.group_id, g.prompt_id) for g in got.groups]
+            queue.set_version(version)
+            registry.publish(version, {"w": np.full(3, version, np.float32)})
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+        for s in servers:
+            s.stop()
+    assert not errors and not worker.is_alive()
+    assert newest >= 4  # tokens of trained groups came from weights published during the run
+    assert producer.stats["weight_updates"] >= 3 and all(e.stats["updates"] >= 3 for e in producer.pool.engines)
+    assert sorted(p.name for p in (tmp_path / "w").iterdir())[-1] >= "v00000003"  # written, old ones pruned
+    assert len(list((tmp_path / "w").iterdir())) <= 2
+    status = queue.status()
+    assert status["running"] == 0  # stopped: what was running went back
+    ids = [g for g, _ in consumed]
+    assert len(ids) == len(set(ids)) == 12
+    prompts = [p for _, p in consumed] + [g.prompt_id for g in queue.queued_groups()] + queue.returned_prompts()
+    assert sorted(prompts) == list(range(status["prompt_cursor"]))  # every prompt exactly once

@@ -1,0 +1,172 @@
+"""A producer over sglang servers: groups admitted as slots free, their samples spread over the
+producer's engines, weights rolled through the engines one at a time as the trainer publishes them.
+
+```
+ main loop:   free group slots ─► queue.admit(slots, version every engine holds) ─► tickets
+              each ticket: G samples ─► the least busy engine (threads; HTTP calls run concurrently)
+              a group's G samples done ─► rewards ─► Arrow batch ─► commit
+                 └─ a server died under it (EngineLost) ─► abandon the ticket: its prompt comes back
+ weights:     fetch newer (long poll) ─► write safetensors + config ─► engine by engine: pause,
+              update_weights_from_disk, update_weight_version, continue  (the others keep generating)
+ stop:        running groups abandoned, finished ones committed
+```
+Every token carries the version of the weights that generated it (see `streamrl.engine.sglang.engine`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from streamrl.buffer.queue import Ticket
+from streamrl.engine.generation import Generation
+from streamrl.engine.sglang.engine import EngineLost, EnginePool, Sample
+from streamrl.rollout.producer import QueueClient, pack_groups
+from streamrl.tasks import Task
+from streamrl.weights.receiver import Fetch
+
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json")
+
+
+class DiskWeights:
+    """Published weights as a Hugging Face directory an sglang server can load: the arrays as
+    safetensors next to the base model's config and tokenizer. Keeps the newest `keep` versions."""
+
+    def __init__(self, base_model: str | Path, root: str | Path, keep: int = 2):
+        self.base, self.root, self.keep = Path(base_model), Path(root), keep
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def write(self, version: int, arrays: dict[str, np.ndarray]) -> Path:
+        target = self.root / f"v{version:08d}"
+        partial = target.with_suffix(".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        for name in MODEL_FILES:
+            if (self.base / name).is_file():
+                shutil.copy2(self.base / name, partial / name)
+        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(partial / "model.safetensors"))
+        partial.rename(target)  # a server never sees a half-written version
+        for old in sorted(self.root.glob("v*"))[:-self.keep]:
+            shutil.rmtree(old)
+        return target
+
+
+def disk_loader(path: str):
+    """Loads a written version into a server (kept by the engine, to reload after a restart)."""
+    return lambda client: client.update_weights_from_disk(path)
+
+
+class SglangProducer:
+    def __init__(self, producer_id: int, *, queue: QueueClient, pool: EnginePool, task: Task, group_size: int,
+                 max_groups: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 fetch: Fetch | None = None, disk: DiskWeights | None = None, weight_poll_s: float = 1.0,
+                 admit_timeout: float = 0.2):
+        if (fetch is None) != (disk is None):
+            raise ValueError("weights need both a fetch function and a directory to write them to")
+        self.producer_id, self.queue, self.pool, self.task = producer_id, queue, pool, task
+        self.group_size, self.max_groups, self.max_new_tokens = group_size, max_groups, max_new_tokens
+        self.sampling = {"temperature": temperature, "top_p": top_p, "stop_token_ids": list(task.stop_token_ids)}
+        self.fetch, self.disk, self.weight_poll_s, self.admit_timeout = fetch, disk, weight_poll_s, admit_timeout
+        self._samples = ThreadPoolExecutor(max_workers=max_groups * group_size, thread_name_prefix="sample")
+        self._weights_error: BaseException | None = None
+        self.stats: dict[str, Any] = {"groups": 0, "samples": 0, "generated_tokens": 0, "lost_groups": 0,
+                                      "weight_updates": 0, "update_pause_s": 0.0}
+        self.last_blocked_by: str | None = None
+
+    def run(self, stop: threading.Event) -> None:
+        """Generate until `stop` is set; a commit or weights failure is raised here."""
+        updater = threading.Thread(target=self._follow_weights, args=(stop,), name="weights", daemon=True)
+        if self.fetch is not None:
+            updater.start()
+        running: dict[int, tuple[Ticket, list[int], list[Future], float]] = {}
+        try:
+            while not stop.is_set():
+                if self._weights_error is not None:
+                    raise self._weights_error
+                self._admit(running)
+                self._collect(running, timeout=0.05)
+        finally:
+            for _, _, futures, _ in running.values():
+                for future in futures:
+                    future.cancel()
+            if running:
+                self.queue.abandon(list(running))
+            self._samples.shutdown(wait=False, cancel_futures=True)
+            stop.set()
+            if updater.is_alive():
+                updater.join()
+
+    def _admit(self, running: dict) -> None:
+        free = self.max_groups - len(running)
+        if free <= 0:
+            return
+        admission = self.queue.admit(self.producer_id, free, weights_version=self.pool.version,
+                                     timeout=self.admit_timeout if not running else 0.0)
+        self.last_blocked_by = admission.blocked_by
+        for ticket in admission.tickets:
+            prompt = list(self.task.prompt(ticket.prompt_id))
+            futures = [self._samples.submit(self._sample, prompt) for _ in range(self.group_size)]
+            running[ticket.ticket_id] = (ticket, prompt, futures, time.time())
+
+    def _sample(self, prompt: list[int]) -> Sample:
+        return self.pool.pick().sample(prompt, max_new_tokens=self.max_new_tokens, **self.sampling)
+
+    def _collect(self, running: dict, timeout: float) -> None:
+        pending = [f for _, _, futures, _ in running.values() for f in futures if not f.done()]
+        if pending:
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+        for ticket_id in [t for t, (_, _, futures, _) in running.items() if all(f.done() for f in futures)]:
+            ticket, prompt, futures, started = running.pop(ticket_id)
+            errors = [f.exception() for f in futures if f.exception() is not None]
+            if errors:
+                self.queue.abandon([ticket_id])  # its prompt is generated again
+                lost = [e for e in errors if not isinstance(e, EngineLost)]
+                if lost:
+                    raise lost[0]
+                self.stats["lost_groups"] += 1
+                continue
+            self._commit(ticket, prompt, [f.result() for f in futures], started)
+
+    def _commit(self, ticket: Ticket, prompt: list[int], samples: list[Sample], started: float) -> None:
+        lengths = [len(s.tokens) for s in samples]
+        generation = Generation(tokens=np.concatenate([s.tokens for s in samples]),
+                                offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                                logprobs=np.concatenate([s.logprobs for s in samples]),
+                                versions=np.concatenate([s.versions for s in samples]),
+                                finish=np.array([s.finish for s in samples], dtype=np.int8))
+        rewards = np.array([self.task.reward(ticket.prompt_id, generation.response(i)) for i in range(len(samples))],
+                           dtype=np.float32)
+        batch = pack_groups([ticket], [prompt], generation, rewards, group_size=self.group_size,
+                            producer_id=self.producer_id, t_start=started, t_end=time.time())
+        try:
+            self.queue.commit(batch)
+        except BaseException:
+            self.queue.abandon([ticket.ticket_id])
+            raise
+        self.stats["groups"] += 1
+        self.stats["samples"] += len(samples)
+        self.stats["generated_tokens"] += int(sum(lengths))
+
+    def _follow_weights(self, stop: threading.Event) -> None:
+        """Newest weights to disk, then into each engine in turn (rolling: one engine paused at a time)."""
+        have: int | None = None
+        try:
+            while not stop.is_set():
+                got = self.fetch(have, self.weight_poll_s)
+                if got is None:
+                    continue
+                version, arrays = got
+                pauses = self.pool.update_weights(version, disk_loader(str(self.disk.write(version, arrays))))
+                have = version
+                self.stats["weight_updates"] += 1
+                self.stats["update_pause_s"] += sum(pauses)
+        except BaseException as exc:
+            self._weights_error = exc
