@@ -90,6 +90,26 @@ class SamplingSection(_Section):
     """None: the task's own limit (reverse: digits + 2)."""
 
 
+class SglangSection(_Section):
+    """sglang servers, started by each producer (`producers.engine = "sglang"`)."""
+
+    servers: int = Field(1, ge=1)
+    """Servers per producer (each gets `tensor_parallel` GPUs of the producer's)."""
+    tensor_parallel: int = Field(1, ge=1)
+    mem_fraction: float = Field(0.8, gt=0, le=1)
+    """sglang's --mem-fraction-static: GPU memory for weights and KV cache."""
+    host: str = "127.0.0.1"
+    """Address the servers bind to: loopback, since each is driven by the producer on its own node."""
+    base_port: int = Field(30000, ge=1024, le=65000)
+    """Producer i's server j listens on base_port + i × servers + j."""
+    memory_saver: bool = False
+    """torch-memory-saver (--enable-memory-saver): release and resume memory when colocated with the trainer."""
+    launcher: list[str] | None = None
+    """The command before the server flags; None: `python -m sglang.launch_server`."""
+    extra_args: list[str] = []
+    startup_timeout_s: float = Field(600.0, gt=0)
+
+
 class ProducerSection(_Section):
     count: int = Field(2, ge=1)
     """Rollout producer actors."""
@@ -105,6 +125,9 @@ class ProducerSection(_Section):
     twice the model memory); false: copy into the live model at the decode step."""
     weight_poll_s: float = Field(1.0, gt=0)
     """Longest wait of one long poll for newer weights (a new version is seen as soon as it is published)."""
+    num_gpus: float = Field(0.0, ge=0)
+    """Ray GPUs each producer reserves (its sglang servers run on them)."""
+    sglang: SglangSection = SglangSection()
 
 
 class TrainerSection(_Section):
@@ -184,8 +207,6 @@ class RunConfig(_Section):
             raise ValueError(f"trainer.tensor_parallel={self.trainer.tensor_parallel}: `streamrl launch` runs the "
                              "megatron trainer as one rank so far; tensor parallel is available to "
                              "streamrl.trainer.megatron_trainer.MegatronTrainer ranks you start yourself")
-        if self.producers.engine == "sglang":
-            raise ValueError("producers.engine = 'sglang' is not available yet; use 'torch'")
         return self
 
 

@@ -174,4 +174,6 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--token-delay-s", type=float, default=0.002)
     parser.add_argument("--update-delay-s", type=float, default=0.2)
-    serve(parser.parse_args())
+    # Started as `producers.sglang.launcher`, it receives sglang's own flags: accepted, not used.
+    args, _sglang_flags = parser.parse_known_args()
+    serve(args)

@@ -36,7 +36,7 @@ def test_toml_file_plus_overrides_and_round_trip(tmp_path):
     (["task.kind=file"], r"task.kind = 'file' needs task\.prompts and task\.reward"),
     (["queue.group_size=1"], r"group advantages need at least 2 samples"),
     (["trainer.tensor_parallel=2"], r"trainer\.tensor_parallel=2 needs trainer\.backend = 'megatron'"),
-    (["producers.engine=sglang"], r"producers\.engine = 'sglang' is not available yet"),
+    (["producers.sglang.mem_fraction=1.5"], r"producers\.sglang\.mem_fraction: Input should be less than or equal to 1"),
     (["trainer.minibatches=33"], r"trainer\.minibatches=33 is more than queue\.groups_per_step=32"),
     (["trainer.minibatches=0"], r"trainer\.minibatches: Input should be greater than or equal to 1"),
     (["model.hidden_size=130"], r"hidden_size=130 is not divisible by num_heads=4"),

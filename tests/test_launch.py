@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -106,6 +107,21 @@ def test_the_megatron_trainer_runs_a_launch_and_resumes_from_its_own_checkpoint(
     second = launch(config, opened, checkpoint)
     assert [m["step"] for m in run_dir.read("metrics.jsonl")] == [1, 2, 3, 4, 5] and second["steps"] == 5
     assert [e["step"] for e in run_dir.read("eval.jsonl")] == [0, 3, 5]  # eval on the megatron weights
+
+
+def test_sglang_producers_run_a_launch_through_stand_in_servers(ray_local, tmp_path):
+    fake = os.path.join(os.path.dirname(__file__), "fake_sglang.py")
+    launcher = json.dumps([sys.executable, fake, "--token-delay-s", "0.001", "--update-delay-s", "0.01"])
+    summary, run_dir = run_tiny(tmp_path, "sgl", "run.steps=4", "producers.engine=sglang", "producers.count=1",
+                                f"producers.sglang.launcher={launcher}", "producers.sglang.servers=2",
+                                "producers.sglang.base_port=31700", "queue.max_staleness=1")
+    metrics = run_dir.read("metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4] and all(m["staleness_max"] <= 1 for m in metrics)
+    (producer,) = summary["producers"]
+    assert producer["weight_updates"] >= 3 and producer["groups"] >= 16
+    assert len(list((run_dir.path / "sglang").glob("weights-producer-0/v*"))) <= 2  # pruned as it went
+    with pytest.raises(OSError):  # the servers stopped with their producer
+        socket.create_connection(("127.0.0.1", 31700), timeout=1)
 
 
 def test_resume_continues_without_losing_or_repeating_a_group(ray_local, tmp_path):

@@ -128,6 +128,78 @@ class ProducerActor:
         return list(self.receiver.history)
 
 
+class SglangProducerActor:
+    """A producer driving its own sglang servers (`producers.engine = "sglang"`)."""
+
+    def __init__(self, run_name: str, producer_id: int, config: dict[str, Any], model_dir: str, seed: int,
+                 search_path: str | None = None, weights_dir: str | None = None):
+        from transformers import AutoTokenizer
+
+        from streamrl.engine.sglang.client import SglangClient
+        from streamrl.engine.sglang.engine import EnginePool, SglangEngine
+        from streamrl.engine.sglang.server import ServerProcess, ServerSpec
+        from streamrl.models.hf import quiet_transformers
+        from streamrl.rollout.sglang_producer import DiskWeights, SglangProducer
+        from streamrl.tasks import make_task
+
+        quiet_transformers()
+        cfg = RunConfig.model_validate(config)
+        sg = cfg.producers.sglang
+        task = make_task(cfg.task, AutoTokenizer.from_pretrained(model_dir), seed=cfg.run.seed, search_path=search_path)
+        self.weights = ray.get_actor(actor_name(run_name, "weights"), namespace=NAMESPACE)
+        self.servers = [ServerProcess(ServerSpec(model_path=model_dir, host=sg.host,
+                                                 port=sg.base_port + producer_id * sg.servers + j,
+                                                 tensor_parallel=sg.tensor_parallel, mem_fraction=sg.mem_fraction,
+                                                 memory_saver=sg.memory_saver, seed=seed + j,
+                                                 extra_args=list(sg.extra_args), launcher=sg.launcher),
+                                      log_dir=weights_dir, startup_timeout_s=sg.startup_timeout_s)
+                        for j in range(sg.servers)]
+        try:
+            for server in self.servers:
+                server.start()
+        except BaseException:
+            self._stop_servers()
+            raise
+        pool = EnginePool([SglangEngine(SglangClient(s.url), server=s) for s in self.servers])
+        disk = DiskWeights(model_dir, Path(weights_dir or model_dir) / f"weights-producer-{producer_id}")
+        self.producer = SglangProducer(
+            producer_id, queue=RemoteQueue(get_queue_actor(run_name)), pool=pool, task=task,
+            group_size=cfg.queue.group_size, max_groups=cfg.producers.groups_per_batch,
+            max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens(),
+            temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+            fetch=remote_fetch(self.weights, producer_id), disk=disk, weight_poll_s=cfg.producers.weight_poll_s)
+        self._stop = threading.Event()
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def run(self) -> dict[str, Any]:
+        try:
+            self.producer.run(self._stop)
+        except QueueClosed:
+            pass  # the run is ending
+        finally:
+            ray.get(self.weights.drop_holder.remote(self.producer.producer_id))
+            self._stop_servers()
+        return self.status()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def status(self) -> dict[str, Any]:
+        engines = [e.stats for e in self.producer.pool.engines]
+        return {"producer_id": self.producer.producer_id, **self.producer.stats,
+                "version": self.producer.pool.version, "restarts": sum(e["restarts"] for e in engines),
+                "continued_samples": sum(e["continued"] for e in engines), "blocked_by": self.producer.last_blocked_by}
+
+    def weight_history(self) -> list[tuple[float, int]]:
+        return []
+
+    def _stop_servers(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
 class Learner(Protocol):
     """What the trainer shell steps: the torch trainer, or the simulated one in `streamrl.sim`."""
 
@@ -243,9 +315,9 @@ class TrainerActor(TrainerShell):
         self.trainer.save(Path(directory))
 
 
-def create_actor(cls: type, run_name: str, role: str, *args, num_cpus: float = 0, max_concurrency: int = 1,
-                 **kwargs) -> ray.actor.ActorHandle:
+def create_actor(cls: type, run_name: str, role: str, *args, num_cpus: float = 0, num_gpus: float = 0,
+                 max_concurrency: int = 1, **kwargs) -> ray.actor.ActorHandle:
     """A named actor of the run (fails if one with that name is alive: another run has the name)."""
-    remote_cls = ray.remote(num_cpus=num_cpus, max_concurrency=max_concurrency)(cls)
+    remote_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=max_concurrency)(cls)
     return remote_cls.options(name=actor_name(run_name, role), namespace=NAMESPACE,
                               lifetime="non_detached").remote(*args, **kwargs)

@@ -25,7 +25,7 @@ import ray
 
 from streamrl.buffer.actor import NAMESPACE, create_queue_actor
 from streamrl.config import ConfigError, RunConfig
-from streamrl.runtime.actors import ProducerActor, TrainerActor, create_actor
+from streamrl.runtime.actors import ProducerActor, SglangProducerActor, TrainerActor, create_actor
 from streamrl.runtime.progress import ProgressView
 from streamrl.runtime.rundir import RunDir, RunDirError
 from streamrl.runtime.summary import summarize
@@ -179,10 +179,13 @@ class Run:
         self.trainer = create_actor(TrainerActor, self.name, "trainer", self.name, config_dict, str(trainer_model),
                                     trainer_resume, search_path, num_cpus=cfg.trainer.num_cpus, max_concurrency=2)
         self.actors.append(self.trainer)
+        sglang = cfg.producers.engine == "sglang"
         for pid in range(cfg.producers.count):
             seed = producer_seed(cfg.run.seed, pid, self.start_step)
-            producer = create_actor(ProducerActor, self.name, f"producer-{pid}", self.name, pid, config_dict,
-                                    str(model_dir), seed, search_path, num_cpus=cfg.producers.num_cpus,
+            extra = [str(self.run_dir.path / "sglang")] if sglang else []
+            producer = create_actor(SglangProducerActor if sglang else ProducerActor, self.name, f"producer-{pid}",
+                                    self.name, pid, config_dict, str(model_dir), seed, search_path, *extra,
+                                    num_cpus=cfg.producers.num_cpus, num_gpus=cfg.producers.num_gpus,
                                     max_concurrency=3)
             self.producers.append(producer)
         self.actors += self.producers

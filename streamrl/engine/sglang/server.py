@@ -31,9 +31,11 @@ class ServerSpec:
     memory_saver: bool = False  # torch-memory-saver: release and resume when colocated with the trainer
     seed: int = 0
     extra_args: list[str] = field(default_factory=list)
+    launcher: list[str] | None = None  # the command before the flags; None: python -m sglang.launch_server
 
     def command(self) -> list[str]:
-        command = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+        launcher = self.launcher or [sys.executable, "-m", "sglang.launch_server"]
+        command = [*launcher, "--model-path", self.model_path,
                    "--host", self.host, "--port", str(self.port), "--tp-size", str(self.tensor_parallel),
                    "--mem-fraction-static", str(self.mem_fraction), "--random-seed", str(self.seed),
                    "--skip-tokenizer-init"]  # streamrl sends and receives token ids only
