@@ -147,6 +147,8 @@ class TrainerSection(_Section):
     """grpo: (r − mean)/(std + eps) per group; drgrpo: r − mean; rloo: leave-one-out baseline."""
     threads: int = Field(1, ge=1)
     num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    """Ray GPUs the trainer reserves; with one, the trainer (torch or megatron) runs on CUDA."""
     get_timeout_s: float = Field(300.0, gt=0)
     """The trainer gives up (and the run fails) when no batch arrives for this long."""
 

@@ -236,9 +236,12 @@ def test_unknown_cli_verbs_and_flags_exit_with_usage():
     assert exc.value.code == 2
 
 
-def test_a_run_that_needs_more_cpus_than_the_cluster_has_is_refused_and_leaves_nothing(ray_local, tmp_path):
-    config, run_dir, _ = prepare(None, tiny(tmp_path, "greedy", "producers.num_cpus=4"))
-    with pytest.raises(ConfigError, match=r"reserves 9 CPUs .* the Ray cluster has 2"):
+@pytest.mark.parametrize("override, message", [("producers.num_cpus=4", r"reserves 9 CPUs .* the Ray cluster has 2"),
+                                               ("trainer.num_gpus=1", r"reserves 1 GPUs .* the Ray cluster has 0")])
+def test_a_run_that_needs_more_than_the_cluster_has_is_refused_and_leaves_nothing(ray_local, tmp_path, override,
+                                                                                   message):
+    config, run_dir, _ = prepare(None, tiny(tmp_path, "greedy", override))
+    with pytest.raises(ConfigError, match=message):
         launch(config, run_dir)
     assert not run_dir.path.exists()
     with pytest.raises(ValueError):

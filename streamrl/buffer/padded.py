@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,10 @@ class PaddedBatch:
     group_ids: torch.Tensor  # [N] int64
     prompt_lengths: torch.Tensor  # [N] int64
     response_lengths: torch.Tensor  # [N] int64
+
+    def to(self, device: torch.device | str) -> PaddedBatch:
+        """The same batch with every tensor on `device` (a no-op on the device it is on)."""
+        return PaddedBatch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
 
 
 def _scatter_positions(row_starts: np.ndarray, lengths: np.ndarray, width: int) -> np.ndarray:

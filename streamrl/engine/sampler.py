@@ -45,10 +45,21 @@ class TorchSampler:
             raise ValueError("the sampler needs at least one stop token id")
         self.model = model
         self.pad_id = pad_id
-        self.stop_ids = torch.tensor(sorted(set(stop_ids)))
+        self._stop_ids = sorted(set(stop_ids))
         self.max_new_tokens = max_new_tokens
         self.temperature, self.top_p = temperature, top_p
-        self.generator = torch.Generator().manual_seed(seed)
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """One seeded generator per device the model has been on (CUDA sampling needs a CUDA generator)."""
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self._seed)
+        return self._generators[device]
 
     def _prefill_inputs(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -59,7 +70,7 @@ class TorchSampler:
         for row, prompt in enumerate(prompts):  # left padding: every row's last token is at the same column
             ids[row, width - len(prompt):] = torch.as_tensor(prompt, dtype=torch.long)
             mask[row, width - len(prompt):] = 1
-        return ids, mask
+        return ids.to(self.device), mask.to(self.device)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], refresh: Callable[[], int] | int = 0, *,
@@ -87,23 +98,25 @@ class TorchSampler:
         rows = logits.shape[0]
         next_position = positions[:, -1:] + 1
 
-        tokens = torch.full((rows, self.max_new_tokens), self.pad_id, dtype=torch.long)
-        logprobs = torch.zeros((rows, self.max_new_tokens), dtype=torch.float32)
-        versions = torch.zeros((rows, self.max_new_tokens), dtype=torch.int32)
-        lengths = torch.full((rows,), self.max_new_tokens, dtype=torch.long)
-        stopped = torch.zeros(rows, dtype=torch.bool)
-        active = torch.arange(rows)  # the original row of each row still in the batch
+        device = ids.device
+        generator, stop_ids = self._generator(device), torch.tensor(self._stop_ids, device=device)
+        tokens = torch.full((rows, self.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((rows, self.max_new_tokens), dtype=torch.float32, device=device)
+        versions = torch.zeros((rows, self.max_new_tokens), dtype=torch.int32, device=device)
+        lengths = torch.full((rows,), self.max_new_tokens, dtype=torch.long, device=device)
+        stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+        active = torch.arange(rows, device=device)  # the original row of each row still in the batch
         for step in range(self.max_new_tokens):
             if greedy:
                 dist = torch.log_softmax(logits.float(), dim=-1)
                 token = dist.argmax(dim=-1)
             else:
                 dist = nucleus_logprobs(logits, self.temperature, self.top_p)
-                token = torch.multinomial(dist.exp(), 1, generator=self.generator).squeeze(-1)
+                token = torch.multinomial(dist.exp(), 1, generator=generator).squeeze(-1)
             tokens[active, step] = token
             logprobs[active, step] = dist.gather(-1, token[:, None]).squeeze(-1)
             versions[active, step] = version
-            hit = torch.isin(token, self.stop_ids)
+            hit = torch.isin(token, stop_ids)
             if bool(hit.any()):
                 lengths[active[hit]] = step + 1
                 stopped[active[hit]] = True
@@ -115,12 +128,12 @@ class TorchSampler:
             if step + 1 == self.max_new_tokens:
                 break
             version = current()  # the decode-step boundary: newer weights may be loaded here
-            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype, device=device)], dim=1)
             out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
                              cache=cache, use_cache=True)
             logits = out.logits[:, -1, :]
             next_position = next_position + 1
-        return _flatten(tokens, logprobs, versions, lengths, stopped)
+        return _flatten(tokens.cpu(), logprobs.cpu(), versions.cpu(), lengths.cpu(), stopped.cpu())
 
 
 def _flatten(tokens: torch.Tensor, logprobs: torch.Tensor, versions: torch.Tensor, lengths: torch.Tensor,

@@ -55,6 +55,8 @@ def build_model(config: Any) -> tuple[GPTModel, Layout]:
                      vocab_size=layout.padded_vocab(tp), max_sequence_length=config.max_position_embeddings,
                      position_embedding_type="rope", rotary_base=rope_theta(config),
                      share_embeddings_and_output_weights=layout.tied, parallel_output=True)
+    if torch.cuda.is_available():
+        model.cuda()  # built on the CPU (use_cpu_initialization): the weights are loaded over it anyway
     return model, layout
 
 

@@ -17,6 +17,11 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
+def default_device() -> torch.device:
+    """CUDA when this process sees a GPU (Ray shows an actor only the GPUs it reserved), else CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def load_policy(path: str | Path, *, train: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model (float32, eager attention: fastest for small models on CPU) and tokenizer from a local directory."""
     path = Path(path)

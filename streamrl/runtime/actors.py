@@ -85,7 +85,7 @@ class ProducerActor:
         import torch
 
         from streamrl.engine.sampler import TorchSampler
-        from streamrl.models.hf import load_policy, quiet_transformers
+        from streamrl.models.hf import default_device, load_policy, quiet_transformers
         from streamrl.rollout.producer import RolloutProducer
         from streamrl.tasks import make_task
 
@@ -93,6 +93,7 @@ class ProducerActor:
         cfg = RunConfig.model_validate(config)
         torch.set_num_threads(cfg.producers.threads)
         model, tokenizer = load_policy(model_dir)
+        model.to(default_device())
         task = make_task(cfg.task, tokenizer, seed=cfg.run.seed, search_path=search_path)
         self.weights = ray.get_actor(actor_name(run_name, "weights"), namespace=NAMESPACE)
         standby = copy.deepcopy(model) if cfg.producers.double_buffer else None

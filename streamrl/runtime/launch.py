@@ -107,11 +107,14 @@ def check_model_and_task(config: RunConfig) -> None:
 
 
 def check_resources(config: RunConfig) -> None:
-    wanted = config.trainer.num_cpus + config.producers.count * config.producers.num_cpus
-    have = ray.cluster_resources().get("CPU", 0)
-    if wanted > have:
-        raise ConfigError(f"the run reserves {wanted:g} CPUs (trainer.num_cpus + producers.count × "
-                          f"producers.num_cpus) but the Ray cluster has {have:g}")
+    """Refuse a run the cluster cannot place (Ray would wait for the resources forever)."""
+    cluster = ray.cluster_resources()
+    for kind, field in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
+        wanted = getattr(config.trainer, field) + config.producers.count * getattr(config.producers, field)
+        have = cluster.get(kind, 0)
+        if wanted > have:
+            raise ConfigError(f"the run reserves {wanted:g} {kind}s (trainer.{field} + producers.count × "
+                              f"producers.{field}) but the Ray cluster has {have:g}")
 
 
 def connect_ray(config: RunConfig) -> bool:
@@ -177,7 +180,8 @@ class Run:
         trainer_resume = str(self.resume_from / "trainer") if self.resume_from else None
         config_dict = cfg.model_dump(mode="json")
         self.trainer = create_actor(TrainerActor, self.name, "trainer", self.name, config_dict, str(trainer_model),
-                                    trainer_resume, search_path, num_cpus=cfg.trainer.num_cpus, max_concurrency=2)
+                                    trainer_resume, search_path, num_cpus=cfg.trainer.num_cpus,
+                                    num_gpus=cfg.trainer.num_gpus, max_concurrency=2)
         self.actors.append(self.trainer)
         sglang = cfg.producers.engine == "sglang"
         for pid in range(cfg.producers.count):

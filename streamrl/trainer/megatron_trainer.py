@@ -93,7 +93,7 @@ class MegatronTrainer(TorchTrainer):
         return self.mirror
 
     def weights(self) -> dict[str, np.ndarray]:
-        return {name: tensor.numpy() for name, tensor in self.hf_state().items()}
+        return {name: tensor.cpu().numpy() for name, tensor in self.hf_state().items()}
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)

@@ -40,7 +40,7 @@ from streamrl.correction import (
     token_logprobs,
 )
 from streamrl.engine.sampler import TorchSampler
-from streamrl.models.hf import load_policy
+from streamrl.models.hf import default_device, load_policy
 from streamrl.tasks import Task
 from streamrl.weights.arrays import state_arrays
 
@@ -73,6 +73,7 @@ class TorchTrainer:
                  temperature: float = 1.0, version: int = 0, seed: int = 0):
         torch.manual_seed(seed)
         self.model, self.tokenizer = load_policy(model_dir, train=True)
+        self.model.to(default_device())
         self._setup(trainer, loss, group_size, temperature, version, seed)
 
     def _setup(self, trainer: TrainerSection, loss: LossConfig, group_size: int, temperature: float, version: int,
@@ -97,9 +98,10 @@ class TorchTrainer:
         version + 1. A non-finite gradient in any mini-batch rolls the whole step back and raises."""
         start = time.perf_counter()
         batch = to_padded(table, self.pad_id)
+        lengths = (batch.prompt_lengths + batch.response_lengths).numpy()
+        batch = batch.to(self.device)
         mask = batch.loss_mask[:, 1:]
         adv = broadcast_to_tokens(advantages(batch.rewards, self.group_size, self.config.advantage), mask)
-        lengths = (batch.prompt_lengths + batch.response_lengths).numpy()
         parts = self._minibatch_rows(len(lengths))
         # one optimizer step: p is θ in the same forward pass (see the module docstring)
         proximal = None if len(parts) == 1 else self._proximal_logprobs(batch, lengths)
@@ -177,6 +179,10 @@ class TorchTrainer:
         return float(grad_norm)
 
     optimizer_file = "optimizer.pt"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     def _clip_gradients(self) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
