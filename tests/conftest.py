@@ -1,6 +1,5 @@
 import numpy as np
 import pytest
-import ray
 
 from streamrl.buffer import QueueConfig, ReplayQueue
 
@@ -34,6 +33,8 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def ray_local():
     """One local Ray instance for every Ray test (starting one costs ~7 s on two cores)."""
+    import ray  # here, not at the top: the GPU smoke machine runs the `gpu` tests without Ray
+
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
     yield
     ray.shutdown()
