@@ -142,7 +142,8 @@ class TrainerSection(_Section):
     """Optimizer steps per consumed batch (PPO mini-batches, each a share of the batch's groups): more
     learning per generated sample; the policy version still advances once per batch."""
     tensor_parallel: int = Field(1, ge=1)
-    """megatron backend: tensor-parallel ranks the model is split over."""
+    """megatron backend: tensor-parallel ranks the model is split over, one Ray actor each, each
+    reserving `num_cpus` and `num_gpus`."""
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     """grpo: (r − mean)/(std + eps) per group; drgrpo: r − mean; rloo: leave-one-out baseline."""
     threads: int = Field(1, ge=1)
@@ -204,11 +205,6 @@ class RunConfig(_Section):
         if self.trainer.tensor_parallel > 1 and self.trainer.backend != "megatron":
             raise ValueError(f"trainer.tensor_parallel={self.trainer.tensor_parallel} needs trainer.backend = "
                              "'megatron'")
-        if self.trainer.tensor_parallel > 1:
-            # Checked here so the run fails before any actor starts, not inside one.
-            raise ValueError(f"trainer.tensor_parallel={self.trainer.tensor_parallel}: `streamrl launch` runs the "
-                             "megatron trainer as one rank so far; tensor parallel is available to "
-                             "streamrl.trainer.megatron_trainer.MegatronTrainer ranks you start yourself")
         return self
 
 

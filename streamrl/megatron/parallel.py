@@ -18,7 +18,7 @@ def initialize(*, rank: int = 0, world_size: int = 1, tensor_parallel: int = 1, 
         raise ValueError(f"tensor parallel size {tensor_parallel} does not divide the {world_size} trainer ranks")
     if not dist.is_initialized():
         os.environ["MASTER_ADDR"] = master_addr
-        os.environ["MASTER_PORT"] = str(master_port if master_port is not None else _free_port())
+        os.environ["MASTER_PORT"] = str(master_port if master_port is not None else free_port())
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -42,7 +42,7 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:

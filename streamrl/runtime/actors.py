@@ -295,12 +295,7 @@ class TrainerActor(TrainerShell):
         quiet_transformers()
         cfg = self.config = RunConfig.model_validate(config)
         torch.set_num_threads(cfg.trainer.threads)
-        if cfg.trainer.backend == "megatron":
-            from streamrl.trainer.megatron_trainer import MegatronTrainer as Trainer
-        else:
-            from streamrl.trainer.torch_trainer import TorchTrainer as Trainer
-        trainer = Trainer(model_dir, trainer=cfg.trainer, loss=cfg.loss, group_size=cfg.queue.group_size,
-                          temperature=cfg.sampling.temperature, seed=cfg.run.seed)
+        trainer = _make_learner(run_name, cfg, config, model_dir, resume_dir)
         if resume_dir is not None:
             trainer.load_optimizer(resume_dir)
         super().__init__(run_name, trainer, groups_per_step=cfg.queue.groups_per_step,
@@ -314,6 +309,31 @@ class TrainerActor(TrainerShell):
 
     def checkpoint(self, directory: str) -> None:
         self.trainer.save(Path(directory))
+
+
+def _make_learner(run_name: str, cfg: RunConfig, config: dict[str, Any], model_dir: str, resume_dir: str | None):
+    """The torch trainer, the megatron trainer, or a megatron rank group (tensor parallel > 1): this
+    process is rank 0, the other ranks are actors it owns, on the resources the trainer reserves each."""
+    common = dict(trainer=cfg.trainer, loss=cfg.loss, group_size=cfg.queue.group_size,
+                  temperature=cfg.sampling.temperature, seed=cfg.run.seed)
+    if cfg.trainer.backend == "torch":
+        from streamrl.trainer.torch_trainer import TorchTrainer
+
+        return TorchTrainer(model_dir, **common)
+    from streamrl.megatron.parallel import free_port
+    from streamrl.trainer.megatron_trainer import MegatronTrainer
+    from streamrl.trainer.ranks import MegatronRank, RankGroup
+
+    world = cfg.trainer.tensor_parallel
+    if world == 1:
+        return MegatronTrainer(model_dir, **common)
+    address, port = ray.util.get_node_ip_address(), free_port()
+    remotes = [create_actor(MegatronRank, run_name, f"trainer-rank{rank}", config, model_dir, resume_dir, rank,
+                            world, address, port, num_cpus=cfg.trainer.num_cpus, num_gpus=cfg.trainer.num_gpus)
+               for rank in range(1, world)]  # they wait in init_process_group until rank 0 joins
+    local = MegatronTrainer(model_dir, rank=0, world_size=world, master_addr=address, master_port=port, **common)
+    ray.get([rank.ready.remote() for rank in remotes])
+    return RankGroup(local, remotes)
 
 
 def create_actor(cls: type, run_name: str, role: str, *args, num_cpus: float = 0, num_gpus: float = 0,

@@ -109,11 +109,13 @@ def check_model_and_task(config: RunConfig) -> None:
 def check_resources(config: RunConfig) -> None:
     """Refuse a run the cluster cannot place (Ray would wait for the resources forever)."""
     cluster = ray.cluster_resources()
+    ranks = config.trainer.tensor_parallel
     for kind, field in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
-        wanted = getattr(config.trainer, field) + config.producers.count * getattr(config.producers, field)
+        wanted = ranks * getattr(config.trainer, field) + config.producers.count * getattr(config.producers, field)
         have = cluster.get(kind, 0)
         if wanted > have:
-            raise ConfigError(f"the run reserves {wanted:g} {kind}s (trainer.{field} + producers.count × "
+            raise ConfigError(f"the run reserves {wanted:g} {kind}s (trainer.tensor_parallel × trainer.{field} + "
+                              f"producers.count × "
                               f"producers.{field}) but the Ray cluster has {have:g}")
 
 

@@ -1,0 +1,91 @@
+"""A tensor-parallel megatron trainer over Ray actors: rank 0 lives in the trainer actor, ranks 1..N−1
+in actors of their own, and every call runs on all of them at once (the collectives inside pair them).
+
+```
+ trainer actor (rank 0) ── train(table) ──┬─ local MegatronTrainer.train(table)
+                                          └─ rank r actor: .run("train", table)   (r = 1..N−1, same table)
+ weights / eval / checkpoint: the TP all-gather runs on every rank, rank 0 keeps the result
+```
+Rank actors are created by the trainer actor, so they die with it (Ray's owner fate-sharing).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+
+from streamrl.config import RunConfig
+
+# Calls whose result is rank 0's alone: the other ranks only take part in the collective.
+_COLLECTIVE_ONLY = {"weights", "hf_model", "hf_state"}
+
+
+class MegatronRank:
+    """Rank r > 0 of the trainer: the same MegatronTrainer, driven by rank 0."""
+
+    def __init__(self, config: dict[str, Any], model_dir: str, resume_dir: str | None, rank: int, world_size: int,
+                 master_addr: str, master_port: int):
+        import torch
+
+        from streamrl.models.hf import quiet_transformers
+        from streamrl.trainer.megatron_trainer import MegatronTrainer
+
+        quiet_transformers()
+        cfg = RunConfig.model_validate(config)
+        torch.set_num_threads(cfg.trainer.threads)
+        self.trainer = MegatronTrainer(model_dir, trainer=cfg.trainer, loss=cfg.loss, group_size=cfg.queue.group_size,
+                                       temperature=cfg.sampling.temperature, seed=cfg.run.seed, rank=rank,
+                                       world_size=world_size, master_addr=master_addr, master_port=master_port)
+        if resume_dir is not None:
+            self.trainer.load_optimizer(resume_dir)
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def run(self, method: str, *args: Any) -> Any:
+        result = getattr(self.trainer, method)(*args)
+        return None if method in _COLLECTIVE_ONLY else result
+
+
+class RankGroup:
+    """The learner the trainer shell steps when the model is split over several ranks."""
+
+    def __init__(self, local: Any, remotes: list[ray.actor.ActorHandle]):
+        self.local, self.remotes = local, remotes
+
+    def _all(self, method: str, *args: Any, local_call=None) -> Any:
+        refs = [rank.run.remote(method, *args) for rank in self.remotes]
+        try:
+            result = (local_call or getattr(self.local, method))(*args)
+        except BaseException:
+            ray.get(refs)  # the others fail the same way (the norms are all-reduced) or finish: not left hanging
+            raise
+        ray.get(refs)
+        return result
+
+    @property
+    def version(self) -> int:
+        return self.local.version
+
+    @property
+    def tokenizer(self):
+        return self.local.tokenizer
+
+    def train(self, table) -> dict[str, Any]:
+        return self._all("train", table)
+
+    def weights(self):
+        return self._all("weights")
+
+    def evaluate(self, task, *, limit: int | None = None, max_new_tokens: int) -> dict[str, float]:
+        # The others only join the all-gather of the weights; rank 0 generates alone.
+        return self._all("hf_model", local_call=lambda: self.local.evaluate(task, limit=limit,
+                                                                             max_new_tokens=max_new_tokens))
+
+    def save(self, directory) -> None:
+        self._all("save", str(directory))
+
+    def load_optimizer(self, directory) -> None:
+        self._all("load_optimizer", str(directory))
