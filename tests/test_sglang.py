@@ -277,3 +277,19 @@ def test_an_sglang_producer_feeds_the_queue_within_budget_with_exact_versions_an
     assert len(ids) == len(set(ids)) == 12
     prompts = [p for _, p in consumed] + [g.prompt_id for g in queue.queued_groups()] + queue.returned_prompts()
     assert sorted(prompts) == list(range(status["prompt_cursor"]))  # every prompt exactly once
+
+
+def test_a_server_that_dies_during_a_weight_update_is_restarted_and_gets_that_version(server, weights_dir):
+    engine = SglangEngine(SglangClient(server.url), server=server)
+    first = []
+
+    def load_after_a_crash(client):  # the server dies while the weights load
+        if not first:
+            first.append(1)
+            os.killpg(os.getpgid(server.process.pid), signal.SIGKILL)
+            server.process.wait()
+        client.update_weights_from_disk(str(weights_dir))
+
+    engine.update_weights(5, load_after_a_crash)
+    assert server.restarts == 1 and engine.version == 5
+    assert set(engine.sample([1], max_new_tokens=3).versions) == {5}

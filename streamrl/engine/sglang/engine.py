@@ -110,13 +110,11 @@ class SglangEngine:
             self._updating = True
         started = time.perf_counter()
         try:
-            self.client.pause_generation("abort")
-            self._drain()
-            load(self.client)
-            self.client.update_weight_version(version)
-            self._loaded = (version, load)
-            self.version = version
-            self.client.continue_generation()
+            try:
+                self._swap(version, load)
+            except EngineUnreachable as exc:  # the server died: restart it, then load this version into it
+                self._recover(exc)
+                self._swap(version, load)
         finally:
             with self._cond:
                 self._updating = False
@@ -126,13 +124,23 @@ class SglangEngine:
         self.stats["update_s"] += paused
         return paused
 
+    def _swap(self, version: int, load: Loader) -> None:
+        self.client.pause_generation("abort")
+        self._drain()
+        load(self.client)
+        self.client.update_weight_version(version)
+        self._loaded = (version, load)
+        self.version = version
+        self.client.continue_generation()
+
     def _drain(self) -> None:
         """Wait until every running request has returned. A request that reached the server after the
         pause waits there, not running: abort it too (its caller continues it after the update)."""
-        with self._cond:
-            while self._in_flight and not self._cond.wait_for(lambda: self._in_flight == 0,
-                                                              timeout=self.drain_poll_s):
-                self.client.abort()
+        while True:
+            with self._cond:
+                if self._cond.wait_for(lambda: self._in_flight == 0, timeout=self.drain_poll_s):
+                    return
+            self.client.abort()
 
     def _recover(self, cause: BaseException) -> None:
         """Restart a dead server (once, whichever request noticed first) and reload the newest weights."""
