@@ -150,6 +150,9 @@ class TrainerSection(_Section):
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     """Ray GPUs the trainer reserves; with one, the trainer (torch or megatron) runs on CUDA."""
+    colocated: bool = False
+    """The trainer shares its GPUs with the producers' sglang servers: at each step the servers pause
+    and free their memory, the trainer loads itself, trains, publishes and offloads, the servers resume."""
     get_timeout_s: float = Field(300.0, gt=0)
     """The trainer gives up (and the run fails) when no batch arrives for this long."""
 
@@ -202,6 +205,9 @@ class RunConfig(_Section):
         if self.trainer.minibatches > queue.groups_per_step:
             raise ValueError(f"trainer.minibatches={self.trainer.minibatches} is more than queue.groups_per_step="
                              f"{queue.groups_per_step}: a mini-batch holds at least one whole group")
+        if self.trainer.colocated and not (self.producers.engine == "sglang" and self.producers.sglang.memory_saver):
+            raise ValueError("trainer.colocated = true needs producers.engine = 'sglang' with "
+                             "producers.sglang.memory_saver = true (the servers free their GPU memory in turn)")
         if self.trainer.tensor_parallel > 1 and self.trainer.backend != "megatron":
             raise ValueError(f"trainer.tensor_parallel={self.trainer.tensor_parallel} needs trainer.backend = "
                              "'megatron'")

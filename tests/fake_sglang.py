@@ -37,6 +37,7 @@ class State:
     def __init__(self, args):
         self.model = ToyModel(args.vocab_size, args.seed)
         self.token_delay_s, self.update_delay_s = args.token_delay_s, args.update_delay_s
+        self.calls_log = args.calls_log  # every POST appended as a line "PORT PATH", for tests after the run
         self.cond = threading.Condition()
         self.paused = False
         self.released = False
@@ -153,6 +154,9 @@ def serve(args) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             with state.cond:
                 state.calls.append({"path": self.path, "t": time.time(), "body": body})
+                if state.calls_log:
+                    with open(state.calls_log, "a") as log:
+                        log.write(f"{args.port} {self.path}\n")
             try:
                 status, payload = handle(state, self.path, body)
             except (ValueError, KeyError) as exc:
@@ -174,6 +178,7 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--token-delay-s", type=float, default=0.002)
     parser.add_argument("--update-delay-s", type=float, default=0.2)
+    parser.add_argument("--calls-log")
     # Started as `producers.sglang.launcher`, it receives sglang's own flags: accepted, not used.
     args, _sglang_flags = parser.parse_known_args()
     serve(args)

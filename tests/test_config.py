@@ -35,6 +35,7 @@ def test_toml_file_plus_overrides_and_round_trip(tmp_path):
     (["loss.name=ppo"], r"loss\.name: Input should be 'decoupled_ppo', 'ppo_bypass'"),
     (["task.kind=file"], r"task.kind = 'file' needs task\.prompts and task\.reward"),
     (["queue.group_size=1"], r"group advantages need at least 2 samples"),
+    (["trainer.colocated=true"], r"trainer\.colocated = true needs producers\.engine = 'sglang' with"),
     (["trainer.tensor_parallel=2"], r"trainer\.tensor_parallel=2 needs trainer\.backend = 'megatron'"),
     (["producers.sglang.mem_fraction=1.5"], r"producers\.sglang\.mem_fraction: Input should be less than or equal to 1"),
     (["trainer.minibatches=33"], r"trainer\.minibatches=33 is more than queue\.groups_per_step=32"),

@@ -128,6 +128,23 @@ def test_sglang_producers_run_a_launch_through_stand_in_servers(ray_local, tmp_p
         socket.create_connection(("127.0.0.1", 31700), timeout=1)
 
 
+def test_colocated_servers_free_the_gpu_for_every_trainer_step(ray_local, tmp_path):
+    fake, log = os.path.join(os.path.dirname(__file__), "fake_sglang.py"), tmp_path / "calls.log"
+    launcher = json.dumps([sys.executable, fake, "--token-delay-s", "0.001", "--update-delay-s", "0.01",
+                           "--calls-log", str(log)])
+    summary, run_dir = run_tiny(tmp_path, "coloc", "run.steps=3", "producers.engine=sglang", "producers.count=1",
+                                f"producers.sglang.launcher={launcher}", "producers.sglang.memory_saver=true",
+                                "producers.sglang.base_port=31720", "trainer.colocated=true", "run.eval_every=0")
+    assert summary["steps"] == 3
+    calls = [line.split()[1] for line in log.read_text().splitlines()]
+    turns = [c for c in calls if c.endswith("_memory_occupation")]
+    assert turns == ["/release_memory_occupation", "/resume_memory_occupation"] * 3  # one turn per step
+    released = False
+    for call in calls:  # a released server is never asked to generate (the stand-in would refuse it)
+        released = {"/release_memory_occupation": True, "/resume_memory_occupation": False}.get(call, released)
+        assert not (released and call == "/generate")
+
+
 def test_resume_continues_without_losing_or_repeating_a_group(ray_local, tmp_path):
     first, run_dir = run_tiny(tmp_path, "resumable", "run.steps=4", "queue.max_staleness=2", "producers.count=1")
     saved = load_queue(run_dir.latest_checkpoint() / "queue")

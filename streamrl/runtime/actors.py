@@ -196,6 +196,13 @@ class SglangProducerActor:
     def weight_history(self) -> list[tuple[float, int]]:
         return []
 
+    def release_gpu(self) -> None:
+        """Colocated: hand the GPU to the trainer (servers paused, memory freed)."""
+        self.producer.pool.release()
+
+    def resume_gpu(self) -> None:
+        self.producer.pool.resume()
+
     def _stop_servers(self) -> None:
         for server in self.servers:
             server.stop()
@@ -215,9 +222,11 @@ class TrainerShell:
     """Steps a learner against the queue and publishes its weights; the backend-independent half of
     the trainer actor."""
 
-    def __init__(self, run_name: str, learner: Learner, *, groups_per_step: int, get_timeout_s: float):
+    def __init__(self, run_name: str, learner: Learner, *, groups_per_step: int, get_timeout_s: float,
+                 colocated_producers: int = 0):
         self.trainer = learner
         self.groups_per_step, self.get_timeout_s = groups_per_step, get_timeout_s
+        self.run_name, self.colocated_producers = run_name, colocated_producers
         self.queue = get_queue_actor(run_name)
         self.weights = ray.get_actor(actor_name(run_name, "weights"), namespace=NAMESPACE)
         self._cancel = threading.Event()
@@ -259,13 +268,14 @@ class TrainerShell:
             raise RuntimeError(f"the queue is at version {groups.version}, the trainer at {self.trainer.version}")
         waited = time.perf_counter() - started
         table = fetch_table(groups)
-        metrics = {f"token_{k}" if k.startswith("staleness") else k: v
-                   for k, v in self.trainer.train(table).items()}
-        # The queue learns the new version before any producer can hold it: the queue refuses tokens
-        # stamped with a version it has not reached, so publishing first would let a fast producer
-        # load v + 1, commit, and have its batch rejected (and its run fail) while the queue is at v.
-        ray.get(self.queue.set_version.remote(self.trainer.version))
-        self.publish()
+        with self._gpu_turn():
+            metrics = {f"token_{k}" if k.startswith("staleness") else k: v
+                       for k, v in self.trainer.train(table).items()}
+            # The queue learns the new version before any producer can hold it: the queue refuses tokens
+            # stamped with a version it has not reached, so publishing first would let a fast producer
+            # load v + 1, commit, and have its batch rejected (and its run fail) while the queue is at v.
+            ray.get(self.queue.set_version.remote(self.trainer.version))
+            self.publish()
         rewards = table.column("reward").to_numpy()
         return {
             **metrics,
@@ -284,6 +294,27 @@ class TrainerShell:
         }
 
 
+    @contextmanager
+    def _gpu_turn(self) -> Iterator[None]:
+        """Colocated (trainer and sglang servers on the same GPUs): the servers free the GPUs, the
+        trainer loads itself onto them, trains and publishes, offloads, and the servers take them back.
+        Generation stops for the step; everything else (queue, staleness, versions) is unchanged."""
+        if not self.colocated_producers:
+            yield
+            return
+        producers = [ray.get_actor(actor_name(self.run_name, f"producer-{i}"), namespace=NAMESPACE)
+                     for i in range(self.colocated_producers)]
+        ray.get([p.release_gpu.remote() for p in producers])
+        try:
+            self.trainer.onload()
+            try:
+                yield
+            finally:
+                self.trainer.offload()
+        finally:
+            ray.get([p.resume_gpu.remote() for p in producers])
+
+
 class TrainerActor(TrainerShell):
     def __init__(self, run_name: str, config: dict[str, Any], model_dir: str, resume_dir: str | None = None,
                  search_path: str | None = None):
@@ -298,8 +329,11 @@ class TrainerActor(TrainerShell):
         trainer = _make_learner(run_name, cfg, config, model_dir, resume_dir)
         if resume_dir is not None:
             trainer.load_optimizer(resume_dir)
+        colocated = cfg.producers.count if cfg.trainer.colocated else 0
+        if colocated:
+            trainer.offload()  # the servers start while the trainer waits off the GPU
         super().__init__(run_name, trainer, groups_per_step=cfg.queue.groups_per_step,
-                         get_timeout_s=cfg.trainer.get_timeout_s)
+                         get_timeout_s=cfg.trainer.get_timeout_s, colocated_producers=colocated)
         self.task = make_task(cfg.task, trainer.tokenizer, seed=cfg.run.seed, search_path=search_path)
         self.max_new_tokens = cfg.sampling.max_new_tokens or self.task.max_new_tokens()
 

@@ -89,3 +89,9 @@ class RankGroup:
 
     def load_optimizer(self, directory) -> None:
         self._all("load_optimizer", str(directory))
+
+    def offload(self) -> None:
+        self._all("offload")
+
+    def onload(self) -> None:
+        self._all("onload")

@@ -180,6 +180,23 @@ class TorchTrainer:
 
     optimizer_file = "optimizer.pt"
 
+    def offload(self) -> None:
+        """Colocated with sglang servers: weights and optimizer state to host memory while the servers
+        use the GPU (a no-op on a CPU-only process)."""
+        self._move(torch.device("cpu"))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        self._move(default_device())
+
+    def _move(self, device: torch.device) -> None:
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":  # AdamW keeps `step` on the CPU
+                    state[key] = value.to(device)
+
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device

@@ -9,6 +9,7 @@ pause one server at a time.
             ─► load the weights ─► update_weight_version ─► continue_generation ─► open the gate
  crash:   a request that cannot reach its server restarts it, reloads the newest weights, and raises
           EngineLost: the caller gives the group's prompt back
+ colocated with the trainer: release (pause, drain, free GPU memory) ─► trainer steps ─► resume
 ```
 No request is in flight while weights load (the update waits until every running request has come
 back), so a segment never spans two versions; a server that reports `weight_version` is checked
@@ -116,13 +117,38 @@ class SglangEngine:
                 self._recover(exc)
                 self._swap(version, load)
         finally:
-            with self._cond:
-                self._updating = False
-                self._cond.notify_all()
+            self._open_gate()
         paused = time.perf_counter() - started
         self.stats["updates"] += 1
         self.stats["update_s"] += paused
         return paused
+
+    # ---- colocated with the trainer: the server gives its GPU memory up while the trainer steps ------
+    def release(self) -> None:
+        """Stop generating (running requests return and wait to continue) and free the server's GPU
+        memory (torch-memory-saver, `--enable-memory-saver`). Weight updates wait until `resume`."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._updating)
+            self._updating = True  # the gate stays closed until resume
+        try:
+            self.client.pause_generation("abort")
+            self._drain()
+            self.client.release_memory_occupation()
+        except BaseException:
+            self._open_gate()
+            raise
+
+    def resume(self) -> None:
+        try:
+            self.client.resume_memory_occupation()
+            self.client.continue_generation()
+        finally:
+            self._open_gate()
+
+    def _open_gate(self) -> None:
+        with self._cond:
+            self._updating = False
+            self._cond.notify_all()
 
     def _swap(self, version: int, load: Loader) -> None:
         self.client.pause_generation("abort")
@@ -173,6 +199,14 @@ class EnginePool:
 
     def update_weights(self, version: int, load: Loader) -> list[float]:
         return [engine.update_weights(version, load) for engine in self.engines]
+
+    def release(self) -> None:
+        for engine in self.engines:
+            engine.release()
+
+    def resume(self) -> None:
+        for engine in self.engines:
+            engine.resume()
 
     @property
     def version(self) -> int:
