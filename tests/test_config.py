@@ -74,7 +74,7 @@ LAUNCH = __import__("pathlib").Path(__file__).resolve().parent.parent / "launch"
 
 
 @pytest.mark.parametrize("name", ["default", "sync", "one-step", "cpu-large", "cluster", "file-task", "gpu-split",
-                                  "gpu-cluster"])
+                                  "gpu-cluster", "gpu-colocated"])
 def test_example_configs_load(name):
     config = load_config(LAUNCH / f"{name}.toml")
     if name == "default":
