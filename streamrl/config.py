@@ -9,6 +9,7 @@ reads it back from there.
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -208,6 +209,15 @@ class RunConfig(_Section):
         if self.trainer.colocated and not (self.producers.engine == "sglang" and self.producers.sglang.memory_saver):
             raise ValueError("trainer.colocated = true needs producers.engine = 'sglang' with "
                              "producers.sglang.memory_saver = true (the servers free their GPU memory in turn)")
+        if self.trainer.colocated and self.trainer.tensor_parallel > 1:
+            raise ValueError("trainer.colocated = true with trainer.tensor_parallel > 1 is not supported: the "
+                             "offloaded ranks would gather their weights over NCCL from host memory")
+        sg = self.producers.sglang
+        gpus = math.ceil(self.producers.num_gpus)  # a fraction of a GPU is a share of one (colocated)
+        if self.producers.engine == "sglang" and 0 < gpus < sg.servers * sg.tensor_parallel:
+            raise ValueError(f"producers.num_gpus={self.producers.num_gpus:g} is fewer than the "
+                             f"{sg.servers * sg.tensor_parallel} GPUs its sglang servers use "
+                             "(producers.sglang.servers × producers.sglang.tensor_parallel)")
         if self.trainer.tensor_parallel > 1 and self.trainer.backend != "megatron":
             raise ValueError(f"trainer.tensor_parallel={self.trainer.tensor_parallel} needs trainer.backend = "
                              "'megatron'")

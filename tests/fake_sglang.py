@@ -112,6 +112,10 @@ def handle(state: State, path: str, body: dict) -> tuple[int, dict]:
         if path == "/update_weight_version":
             state.weight_version = str(body["new_version"])
             return 200, {"success": True, "new_version": state.weight_version}
+        if path == "/flush_cache":
+            if state.running:
+                return 400, {"success": False, "message": "Cache not flushed: requests are running."}
+            return 200, {}
         if path in ("/release_memory_occupation", "/resume_memory_occupation"):
             state.released = path == "/release_memory_occupation"
             return 200, {"success": True}

@@ -293,3 +293,12 @@ def test_a_server_that_dies_during_a_weight_update_is_restarted_and_gets_that_ve
     engine.update_weights(5, load_after_a_crash)
     assert server.restarts == 1 and engine.version == 5
     assert set(engine.sample([1], max_new_tokens=3).versions) == {5}
+
+
+def test_a_server_whose_guard_is_killed_outright_ends_too(server):
+    os.kill(server.process.pid, signal.SIGKILL)  # the guard only, as Ray does to a dead worker's children
+    server.process.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and running_in_group(server.process.pid):
+        time.sleep(0.1)
+    assert not running_in_group(server.process.pid)

@@ -151,13 +151,16 @@ class SglangProducerActor:
         self.servers = [ServerProcess(ServerSpec(model_path=model_dir, host=sg.host,
                                                  port=sg.base_port + producer_id * sg.servers + j,
                                                  tensor_parallel=sg.tensor_parallel, mem_fraction=sg.mem_fraction,
-                                                 memory_saver=sg.memory_saver, seed=seed + j,
-                                                 extra_args=list(sg.extra_args), launcher=sg.launcher),
+                                                 base_gpu_id=j * sg.tensor_parallel, memory_saver=sg.memory_saver,
+                                                 seed=seed + j, extra_args=list(sg.extra_args),
+                                                 launcher=sg.launcher),
                                       log_dir=weights_dir, startup_timeout_s=sg.startup_timeout_s)
                         for j in range(sg.servers)]
         try:
             for server in self.servers:
-                server.start()
+                server.start(wait=False)  # the servers load in parallel
+            for server in self.servers:
+                server.wait_healthy()
         except BaseException:
             self._stop_servers()
             raise
@@ -180,8 +183,12 @@ class SglangProducerActor:
         except QueueClosed:
             pass  # the run is ending
         finally:
-            ray.get(self.weights.drop_holder.remote(self.producer.producer_id))
-            self._stop_servers()
+            for engine in self.producer.pool.engines:
+                engine.closing = True  # requests cut by the stop below are not crashes to recover from
+            try:
+                self._stop_servers()
+            finally:
+                ray.get(self.weights.drop_holder.remote(self.producer.producer_id))
         return self.status()
 
     def stop(self) -> None:
@@ -304,8 +311,8 @@ class TrainerShell:
             return
         producers = [ray.get_actor(actor_name(self.run_name, f"producer-{i}"), namespace=NAMESPACE)
                      for i in range(self.colocated_producers)]
-        ray.get([p.release_gpu.remote() for p in producers])
         try:
+            ray.get([p.release_gpu.remote() for p in producers])
             self.trainer.onload()
             try:
                 yield

@@ -195,7 +195,9 @@ class Run:
                                     max_concurrency=3)
             self.producers.append(producer)
         self.actors += self.producers
-        ray.get([a.ready.remote() for a in [self.trainer, *self.producers]], timeout=300)
+        # sglang producers start their servers in their constructor (weights loaded, CUDA graphs captured)
+        ready_timeout = 300 + (cfg.producers.sglang.startup_timeout_s if sglang else 0)
+        ray.get([a.ready.remote() for a in [self.trainer, *self.producers]], timeout=ready_timeout)
         version = ray.get(self.trainer.publish.remote())
         if version != self.start_step:
             raise RunDirError(f"the checkpoint's trainer is at version {version}, its metadata says step "

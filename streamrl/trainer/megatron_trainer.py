@@ -25,7 +25,7 @@ from streamrl.correction import LossConfig
 from streamrl.megatron import parallel
 from streamrl.megatron.convert import hf_to_megatron, megatron_to_hf
 from streamrl.megatron.model import build_model, token_logprobs
-from streamrl.models.hf import load_policy
+from streamrl.models.hf import default_device, load_policy
 from streamrl.trainer.torch_trainer import TorchTrainer
 
 
@@ -71,19 +71,23 @@ class MegatronTrainer(TorchTrainer):
         return norm
 
     def hf_state(self) -> dict[str, torch.Tensor]:
-        """The whole model in Hugging Face names (a collective over the TP group: every rank calls it)."""
+        """The whole model in Hugging Face names, in host memory, on TP rank 0 (the other ranks return
+        {}): a collective over the TP group, every rank calls it. Tensor by tensor, so no rank holds
+        more than one gathered tensor on its device at a time."""
         local = {name: tensor.detach() for name, tensor in self.model.state_dict().items()
                  if isinstance(tensor, torch.Tensor)}
         if self.tp == 1:
-            return megatron_to_hf([local], self.layout)
+            return {name: t.cpu() for name, t in megatron_to_hf([local], self.layout).items()}
         shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
         group = parallel_state.get_tensor_model_parallel_group()
+        root = parallel_state.get_tensor_model_parallel_src_rank()  # global rank of TP rank 0
         for name, tensor in local.items():
-            gathered = [torch.empty_like(tensor) for _ in range(self.tp)]
-            dist.all_gather(gathered, tensor.contiguous(), group=group)
-            for rank, part in enumerate(gathered):
-                shards[rank][name] = part
-        return megatron_to_hf(shards, self.layout)
+            gathered = [torch.empty_like(tensor) for _ in range(self.tp)] if self.tp_rank == 0 else None
+            dist.gather(tensor.contiguous(), gathered, dst=root, group=group)
+            if gathered is not None:
+                for rank, part in enumerate(gathered):
+                    shards[rank][name] = part.cpu()
+        return megatron_to_hf(shards, self.layout) if self.tp_rank == 0 else {}
 
     @torch.no_grad()
     def hf_model(self):
@@ -92,11 +96,20 @@ class MegatronTrainer(TorchTrainer):
             state[name].copy_(tensor)
         return self.mirror
 
+    def evaluate(self, task, *, limit: int | None = None, max_new_tokens: int) -> dict[str, float]:
+        """Greedy eval on the mirror, moved onto this rank's device for the duration."""
+        self.mirror.to(default_device())
+        try:
+            return super().evaluate(task, limit=limit, max_new_tokens=max_new_tokens)
+        finally:
+            self.mirror.to("cpu")
+
     def weights(self) -> dict[str, np.ndarray]:
-        return {name: tensor.cpu().numpy() for name, tensor in self.hf_state().items()}
+        return {name: tensor.numpy() for name, tensor in self.hf_state().items()}
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)  # every rank writes its optimizer state here
         model = self.hf_model()  # collective: before any rank-0-only work
         if self.tp_rank == 0:
             model.save_pretrained(directory / "model")

@@ -59,9 +59,11 @@ class RankGroup:
         refs = [rank.run.remote(method, *args) for rank in self.remotes]
         try:
             result = (local_call or getattr(self.local, method))(*args)
-        except BaseException:
-            ray.get(refs)  # the others fail the same way (the norms are all-reduced) or finish: not left hanging
-            raise
+        except BaseException as local_error:
+            # The others fail the same way (the norms are all-reduced) or finish: wait for them, but
+            # report rank 0's error, not theirs.
+            ray.wait(refs, num_returns=len(refs))
+            raise local_error
         ray.get(refs)
         return result
 

@@ -105,8 +105,8 @@ class TorchTrainer:
         parts = self._minibatch_rows(len(lengths))
         # one optimizer step: p is θ in the same forward pass (see the module docstring)
         proximal = None if len(parts) == 1 else self._proximal_logprobs(batch, lengths)
-        saved = None if len(parts) == 1 else (copy.deepcopy(self.model.state_dict()),
-                                              copy.deepcopy(self.optimizer.state_dict()))
+        saved = None if len(parts) == 1 else (_host_copy(self.model.state_dict()),  # host memory, not the GPU's
+                                              _host_copy(self.optimizer.state_dict()))
         self.model.train()
         totals: dict[str, float] = {}
         grad_norms = []
@@ -191,6 +191,7 @@ class TorchTrainer:
         self._move(default_device())
 
     def _move(self, device: torch.device) -> None:
+        self.optimizer.zero_grad(set_to_none=True)  # the last step's gradients are not carried along
         self.model.to(device)
         for state in self.optimizer.state.values():
             for key, value in state.items():
@@ -215,10 +216,10 @@ class TorchTrainer:
     @torch.no_grad()
     def evaluate(self, task: Task, *, limit: int | None = None, max_new_tokens: int) -> dict[str, float]:
         """Greedy answers to the held-out prompts: mean reward and exact-match accuracy (reward 1)."""
+        model = self.hf_model()  # first: a collective for a tensor-parallel trainer, on every rank alike
         prompts = task.eval_prompts(limit)
         if not prompts:
             return {}
-        model = self.hf_model()
         model.eval()
         sampler = TorchSampler(model, pad_id=self.pad_id, stop_ids=task.stop_token_ids,
                                max_new_tokens=max_new_tokens)
@@ -240,6 +241,17 @@ class TorchTrainer:
         directory = Path(directory)
         self.optimizer.load_state_dict(torch.load(directory / self.optimizer_file, weights_only=True))
         self.version = json.loads((directory / "trainer.json").read_text())["version"]
+
+
+def _host_copy(state):
+    """A deep copy with every tensor in host memory (a step's rollback point)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return type(state)((k, _host_copy(v)) for k, v in state.items())
+    if isinstance(state, list | tuple):
+        return type(state)(_host_copy(v) for v in state)
+    return copy.deepcopy(state)
 
 
 def _accumulate(totals: dict[str, float], metrics: dict[str, torch.Tensor], *, share: float, loss: float) -> None:

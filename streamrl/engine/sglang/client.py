@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -49,7 +50,10 @@ class SglangClient:
             raise EngineUnreachable(f"sglang server {self.url}{path}: {exc}") from exc
         finally:
             connection.close()
-        answer = json.loads(data) if data else {}
+        try:
+            answer = json.loads(data) if data else {}
+        except ValueError:  # a plain-text error page (e.g. uvicorn's 500)
+            answer = {"message": data[:200].decode(errors="replace")}
         if response.status >= 300 or (isinstance(answer, dict) and answer.get("success") is False):
             raise SglangError(f"sglang server {self.url}{path} answered {response.status}: {_message(answer)}")
         return answer
@@ -128,6 +132,24 @@ class SglangClient:
 
     def resume_memory_occupation(self) -> None:
         self.call("/resume_memory_occupation", {})
+
+    def alive(self) -> bool:
+        """The HTTP server answers (`/health`: liveness only; a paused server is alive but not ready)."""
+        try:
+            self.call("/health", method="GET", timeout_s=5.0)
+            return True
+        except (EngineUnreachable, SglangError):
+            return False
+
+    def flush_cache(self, attempts: int = 50, wait_s: float = 0.1) -> None:
+        """Empty the radix cache; sglang refuses (non-200) while requests are still running, so retry."""
+        for _ in range(attempts):
+            try:
+                self.call("/flush_cache", {})
+                return
+            except SglangError:
+                time.sleep(wait_s)
+        raise SglangError(f"sglang server {self.url}/flush_cache: still busy after {attempts} attempts")
 
     def healthy(self) -> bool:
         """`/health_generate` (it runs a one-token generation): `/health`'s meaning varies by version."""

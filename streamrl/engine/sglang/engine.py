@@ -48,10 +48,12 @@ class Sample:
 
 class SglangEngine:
     def __init__(self, client: SglangClient, *, server: ServerProcess | None = None, version: int = 0,
-                 drain_poll_s: float = 0.2):
+                 drain_poll_s: float = 0.2, drain_timeout_s: float = 10.0):
         self.client, self.server = client, server
         self.version = version
-        self.drain_poll_s = drain_poll_s
+        self.drain_poll_s, self.drain_timeout_s = drain_poll_s, drain_timeout_s
+        self.closing = False  # set before the producer stops its servers: a failed request is not a crash
+        self._released = False  # colocated: the server gave its GPU memory to the trainer
         self._cond = threading.Condition()
         self._updating = False
         self._in_flight = 0
@@ -82,14 +84,12 @@ class SglangEngine:
                                                rid=uuid.uuid4().hex)  # fixed width: prefix-free
             except EngineUnreachable as exc:
                 self._recover(exc)
-                raise EngineLost(f"{self.client.url} died under a request; it was restarted") from exc
+                raise EngineLost(f"{self.client.url} died under a request") from exc
             finally:
                 with self._cond:
                     self._in_flight -= 1
                     self._cond.notify_all()
-            if segment.weight_version not in (None, "default", str(version)):
-                raise SglangError(f"{self.client.url} generated with weights {segment.weight_version!r} while "
-                                  f"streamrl had loaded version {version}")
+            version = self._segment_version(segment.weight_version, version)
             segments += 1
             self.stats["segments"] += 1
             tokens += segment.tokens
@@ -101,6 +101,22 @@ class SglangEngine:
         finish = STOP if segment.finish == "stop" else LENGTH
         return Sample(np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32),
                       np.asarray(versions, np.int32), finish, segments)
+
+    def _segment_version(self, reported: str | None, submitted: int) -> int:
+        """The version that generated a segment: the server's own `weight_version` (sglang ≥ 0.5.1)
+        when it reports one — exact even for a request that waited out an update at the server's pause
+        gate — else the version loaded when the request was sent (no update runs while one is in flight
+        unless the drain timed out). "default" is the weights the server started with: version 0."""
+        if reported is None:
+            return submitted
+        if reported == "default":
+            if self._loaded is not None and self._loaded[0] != 0:
+                raise SglangError(f"{self.client.url} generated with the weights it started with after streamrl "
+                                  f"loaded version {self._loaded[0]} (it restarted without them?)")
+            return 0
+        if not reported.isdigit():
+            raise SglangError(f"{self.client.url} reports weight_version {reported!r}, not one streamrl set")
+        return int(reported)
 
     # ---- weights ---------------------------------------------------------------------------------------
     def update_weights(self, version: int, load: Loader) -> float:
@@ -133,15 +149,22 @@ class SglangEngine:
         try:
             self.client.pause_generation("abort")
             self._drain()
+            self.client.flush_cache()  # release needs an idle scheduler; flush answers 200 only then
             self.client.release_memory_occupation()
+            self._released = True
         except BaseException:
+            self.client.continue_generation()
             self._open_gate()
             raise
 
     def resume(self) -> None:
+        """Take the GPU back after `release` (a no-op on an engine that was not released)."""
+        if not self._released:
+            return
         try:
             self.client.resume_memory_occupation()
             self.client.continue_generation()
+            self._released = False
         finally:
             self._open_gate()
 
@@ -160,21 +183,26 @@ class SglangEngine:
         self.client.continue_generation()
 
     def _drain(self) -> None:
-        """Wait until every running request has returned. A request that reached the server after the
-        pause waits there, not running: abort it too (its caller continues it after the update)."""
-        while True:
+        """Wait until every running request has returned, aborting again what arrived after the pause.
+        A request parked at the server's pause gate (sent just before the gate here closed) may be out
+        of reach of an abort: after `drain_timeout_s` the update goes on, and that request runs after it
+        with the new weights, which the server's `weight_version` on its answer says."""
+        deadline = time.monotonic() + self.drain_timeout_s
+        while time.monotonic() < deadline:
             with self._cond:
                 if self._cond.wait_for(lambda: self._in_flight == 0, timeout=self.drain_poll_s):
                     return
             self.client.abort()
 
     def _recover(self, cause: BaseException) -> None:
-        """Restart a dead server (once, whichever request noticed first) and reload the newest weights."""
-        if self.server is None:
-            raise EngineLost(f"{self.client.url} is unreachable and streamrl did not start it") from cause
+        """Restart a dead server (once, whichever request noticed first) and reload the newest weights
+        before any new request reaches it (an update in progress already holds the gate closed)."""
+        if self.server is None or self.closing:
+            raise EngineLost(f"{self.client.url} is unreachable"
+                             f"{' (stopping)' if self.closing else ' and streamrl did not start it'}") from cause
         with self._restart_lock:
-            if self.server.alive() and self.server.healthy():
-                return  # another request already restarted it
+            if self.server.alive() and self.client.alive():
+                return  # another request already restarted it (or the failure was not the server's)
             self.server.restart()
             self.stats["restarts"] += 1
             if self._loaded is not None:
@@ -201,12 +229,26 @@ class EnginePool:
         return [engine.update_weights(version, load) for engine in self.engines]
 
     def release(self) -> None:
-        for engine in self.engines:
-            engine.release()
+        released = []
+        try:
+            for engine in self.engines:
+                engine.release()
+                released.append(engine)
+        except BaseException:
+            for engine in released:  # all or none: the ones already released go back to generating
+                engine.resume()
+            raise
 
     def resume(self) -> None:
+        """Resume every released engine (an engine that was not released answers its resume anyway)."""
+        errors = []
         for engine in self.engines:
-            engine.resume()
+            try:
+                engine.resume()
+            except BaseException as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     @property
     def version(self) -> int:

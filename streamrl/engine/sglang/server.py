@@ -28,6 +28,7 @@ class ServerSpec:
     port: int = 30000
     tensor_parallel: int = 1
     mem_fraction: float = 0.8
+    base_gpu_id: int = 0  # the first of the producer's GPUs this server uses (several servers per producer)
     memory_saver: bool = False  # torch-memory-saver: release and resume when colocated with the trainer
     seed: int = 0
     extra_args: list[str] = field(default_factory=list)
@@ -39,8 +40,12 @@ class ServerSpec:
                    "--host", self.host, "--port", str(self.port), "--tp-size", str(self.tensor_parallel),
                    "--mem-fraction-static", str(self.mem_fraction), "--random-seed", str(self.seed),
                    "--skip-tokenizer-init"]  # streamrl sends and receives token ids only
+        if self.base_gpu_id:
+            command += ["--base-gpu-id", str(self.base_gpu_id)]
         if self.memory_saver:
-            command.append("--enable-memory-saver")
+            # Keep a host copy of the weights across a release (sglang ≥ 0.5.3): without it the weights
+            # come back as garbage after resume_memory_occupation.
+            command += ["--enable-memory-saver", "--enable-weights-cpu-backup"]
         return command + self.extra_args
 
     @property
@@ -62,7 +67,9 @@ class ServerProcess:
     def url(self) -> str:
         return self.spec.url
 
-    def start(self) -> None:
+    def start(self, wait: bool = True) -> None:
+        """Start the server; with `wait`, return once it is ready (else call `wait_healthy`: several
+        servers load their weights in parallel that way)."""
         if self.alive():
             raise RuntimeError(f"the server at {self.url} is already running (pid {self.process.pid})")
         log = subprocess.DEVNULL
@@ -74,7 +81,8 @@ class ServerProcess:
         self.process = subprocess.Popen(guarded, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         if log is not subprocess.DEVNULL:
             log.close()  # the child holds its own descriptor
-        self.wait_healthy()
+        if wait:
+            self.wait_healthy()
 
     def wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -104,16 +112,47 @@ class ServerProcess:
         self.restarts += 1
         self.start()
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM to the server's process group (its scheduler and detokenizer children too), SIGKILL
-        after `grace_s`."""
-        if self.process is None or self.process.poll() is not None:
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM to the server's process group (the guard, the server, its scheduler and detokenizer),
+        SIGKILL to whatever is left after `grace_s`; returns once the group is gone (port and GPU free)."""
+        if self.process is None:
             return
-        group = os.getpgid(self.process.pid)
-        os.killpg(group, signal.SIGTERM)
-        try:
-            self.process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(group, signal.SIGKILL)
-            self.process.wait()
+        group = self.process.pid  # the guard leads its own session and process group
+        _signal_group(group, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _group_alive(group):
+            self.process.poll()  # reap the guard
+            time.sleep(0.05)
+        if _group_alive(group):
+            _signal_group(group, signal.SIGKILL)
+            while _group_alive(group):
+                self.process.poll()
+                time.sleep(0.05)
+        self.process.wait()
 
+
+
+def _signal_group(group: int, sig: int) -> None:
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:
+        pass  # already gone
+
+
+def _group_alive(group: int) -> bool:
+    """Any process of the group that is not a zombie waiting to be reaped."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended while being read
+        if int(fields[2]) == group and fields[0] != "Z":
+            return True
+    return False
