@@ -135,11 +135,7 @@ class SglangClient:
 
     def alive(self) -> bool:
         """The HTTP server answers (`/health`: liveness only; a paused server is alive but not ready)."""
-        try:
-            self.call("/health", method="GET", timeout_s=5.0)
-            return True
-        except (EngineUnreachable, SglangError):
-            return False
+        return self._answers("/health", timeout_s=5.0)
 
     def flush_cache(self, attempts: int = 50, wait_s: float = 0.1) -> None:
         """Empty the radix cache; sglang refuses (non-200) while requests are still running, so retry."""
@@ -153,8 +149,11 @@ class SglangClient:
 
     def healthy(self) -> bool:
         """`/health_generate` (it runs a one-token generation): `/health`'s meaning varies by version."""
+        return self._answers("/health_generate", timeout_s=30.0)
+
+    def _answers(self, path: str, *, timeout_s: float) -> bool:
         try:
-            self.call("/health_generate", method="GET", timeout_s=30.0)
+            self.call(path, method="GET", timeout_s=timeout_s)
             return True
         except (EngineUnreachable, SglangError):
             return False
