@@ -100,6 +100,7 @@ def test_sync_and_one_step_schedules_run_through_the_same_code_path(ray_local, t
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_the_megatron_trainer_runs_a_launch_and_resumes_from_its_own_checkpoint(ray_local, tmp_path, tp):
+    groups_before = len(ray.util.placement_group_table())
     first, run_dir = run_tiny(tmp_path, f"mcore{tp}", "run.steps=3", "trainer.backend=megatron", "producers.count=1",
                               f"trainer.tensor_parallel={tp}", f"trainer.num_cpus={1 / tp}", "producers.num_cpus=0.5")
     assert first["steps"] == 3 and first["staleness_bound_held"]
@@ -109,6 +110,9 @@ def test_the_megatron_trainer_runs_a_launch_and_resumes_from_its_own_checkpoint(
     second = launch(config, opened, checkpoint)
     assert [m["step"] for m in run_dir.read("metrics.jsonl")] == [1, 2, 3, 4, 5] and second["steps"] == 5
     assert [e["step"] for e in run_dir.read("eval.jsonl")] == [0, 3, 5]  # eval on the megatron weights
+    # the ranks ran in one STRICT_PACK placement group, removed with the run
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+    assert len(ray.util.placement_group_table()) - groups_before == (2 if tp == 2 else 0)  # one per launch
     optimizer_files = sorted(p.name for p in run_dir.latest_checkpoint().glob("trainer/optimizer*.pt"))
     assert optimizer_files == (["optimizer.pt"] if tp == 1 else ["optimizer.tp0.pt", "optimizer.tp1.pt"])
 

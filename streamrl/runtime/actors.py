@@ -324,7 +324,7 @@ class TrainerShell:
 
 class TrainerActor(TrainerShell):
     def __init__(self, run_name: str, config: dict[str, Any], model_dir: str, resume_dir: str | None = None,
-                 search_path: str | None = None):
+                 search_path: str | None = None, rank_group: Any = None):
         import torch
 
         from streamrl.models.hf import quiet_transformers
@@ -333,7 +333,7 @@ class TrainerActor(TrainerShell):
         quiet_transformers()
         cfg = self.config = RunConfig.model_validate(config)
         torch.set_num_threads(cfg.trainer.threads)
-        trainer = _make_learner(run_name, cfg, config, model_dir, resume_dir)
+        trainer = _make_learner(run_name, cfg, config, model_dir, resume_dir, rank_group)
         if resume_dir is not None:
             trainer.load_optimizer(resume_dir)
         colocated = cfg.producers.count if cfg.trainer.colocated else 0
@@ -352,9 +352,11 @@ class TrainerActor(TrainerShell):
         self.trainer.save(Path(directory))
 
 
-def _make_learner(run_name: str, cfg: RunConfig, config: dict[str, Any], model_dir: str, resume_dir: str | None):
+def _make_learner(run_name: str, cfg: RunConfig, config: dict[str, Any], model_dir: str, resume_dir: str | None,
+                  rank_group: Any = None):
     """The torch trainer, the megatron trainer, or a megatron rank group (tensor parallel > 1): this
-    process is rank 0, the other ranks are actors it owns, on the resources the trainer reserves each."""
+    process is rank 0, the other ranks are actors it owns, each in its bundle of `rank_group` (the
+    placement group that keeps them on this node) with the resources the trainer reserves each."""
     common = dict(trainer=cfg.trainer, loss=cfg.loss, group_size=cfg.queue.group_size,
                   temperature=cfg.sampling.temperature, seed=cfg.run.seed)
     if cfg.trainer.backend == "torch":
@@ -370,7 +372,8 @@ def _make_learner(run_name: str, cfg: RunConfig, config: dict[str, Any], model_d
         return MegatronTrainer(model_dir, **common)
     address, port = ray.util.get_node_ip_address(), free_port()
     remotes = [create_actor(MegatronRank, run_name, f"trainer-rank{rank}", config, model_dir, resume_dir, rank,
-                            world, address, port, num_cpus=cfg.trainer.num_cpus, num_gpus=cfg.trainer.num_gpus)
+                            world, address, port, num_cpus=cfg.trainer.num_cpus, num_gpus=cfg.trainer.num_gpus,
+                            placement=(rank_group, rank))
                for rank in range(1, world)]  # they wait in init_process_group until rank 0 joins
     local = MegatronTrainer(model_dir, rank=0, world_size=world, master_addr=address, master_port=port, **common)
     ray.get([rank.ready.remote() for rank in remotes])
@@ -378,8 +381,16 @@ def _make_learner(run_name: str, cfg: RunConfig, config: dict[str, Any], model_d
 
 
 def create_actor(cls: type, run_name: str, role: str, *args, num_cpus: float = 0, num_gpus: float = 0,
-                 max_concurrency: int = 1, **kwargs) -> ray.actor.ActorHandle:
-    """A named actor of the run (fails if one with that name is alive: another run has the name)."""
+                 max_concurrency: int = 1, placement: tuple[Any, int] | None = None,
+                 **kwargs) -> ray.actor.ActorHandle:
+    """A named actor of the run (fails if one with that name is alive: another run has the name);
+    `placement`: (placement group, bundle index) to run it in, or None."""
     remote_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=max_concurrency)(cls)
-    return remote_cls.options(name=actor_name(run_name, role), namespace=NAMESPACE,
-                              lifetime="non_detached").remote(*args, **kwargs)
+    options: dict[str, Any] = {"name": actor_name(run_name, role), "namespace": NAMESPACE,
+                               "lifetime": "non_detached"}
+    if placement is not None and placement[0] is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=placement[0], placement_group_bundle_index=placement[1])
+    return remote_cls.options(**options).remote(*args, **kwargs)

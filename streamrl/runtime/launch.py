@@ -119,6 +119,23 @@ def check_resources(config: RunConfig) -> None:
                               f"producers.{field}) but the Ray cluster has {have:g}")
 
 
+def trainer_placement(config: RunConfig):
+    """A STRICT_PACK placement group with one bundle per tensor-parallel rank (None at TP 1): the ranks
+    talk at every layer, and each writes its optimizer shard into the same checkpoint directory."""
+    ranks = config.trainer.tensor_parallel
+    if ranks == 1:
+        return None
+    bundle = {"CPU": config.trainer.num_cpus or 0.001}  # a bundle may not be empty
+    if config.trainer.num_gpus:
+        bundle["GPU"] = config.trainer.num_gpus
+    group = ray.util.placement_group([dict(bundle) for _ in range(ranks)], strategy="STRICT_PACK")
+    ready, _ = ray.wait([group.ready()], timeout=300)
+    if not ready:
+        ray.util.remove_placement_group(group)
+        raise ConfigError(f"no node can hold the trainer's {ranks} tensor-parallel ranks ({bundle} each) together")
+    return group
+
+
 def connect_ray(config: RunConfig) -> bool:
     """Join the configured cluster or start a local instance; True when this call started Ray."""
     if ray.is_initialized():
@@ -154,6 +171,7 @@ class Run:
         self.weight_histories: list[list[tuple[float, int]]] = []
         self._wandb = None
         self._pending: ray.ObjectRef | None = None
+        self.trainer_group = None  # the placement group of a tensor-parallel trainer
 
     # ---- start -------------------------------------------------------------------------------------------
     def _model_dir(self) -> Path:
@@ -181,9 +199,11 @@ class Run:
         trainer_model = self.resume_from / "trainer" / "model" if self.resume_from else model_dir
         trainer_resume = str(self.resume_from / "trainer") if self.resume_from else None
         config_dict = cfg.model_dump(mode="json")
+        self.trainer_group = trainer_placement(cfg)  # tensor-parallel ranks kept on one node
         self.trainer = create_actor(TrainerActor, self.name, "trainer", self.name, config_dict, str(trainer_model),
-                                    trainer_resume, search_path, num_cpus=cfg.trainer.num_cpus,
-                                    num_gpus=cfg.trainer.num_gpus, max_concurrency=2)
+                                    trainer_resume, search_path, self.trainer_group, num_cpus=cfg.trainer.num_cpus,
+                                    num_gpus=cfg.trainer.num_gpus, max_concurrency=2,
+                                    placement=(self.trainer_group, 0))
         self.actors.append(self.trainer)
         sglang = cfg.producers.engine == "sglang"
         for pid in range(cfg.producers.count):
@@ -345,6 +365,9 @@ class Run:
         for actor in self.actors:
             ray.kill(actor)
         self.actors.clear()
+        if self.trainer_group is not None:
+            ray.util.remove_placement_group(self.trainer_group)
+            self.trainer_group = None
 
 
 def prepare(config_path: str | None = None, overrides: list[str] | None = None, *,
