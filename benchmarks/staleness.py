@@ -36,7 +36,9 @@ from streamrl.runtime.launch import launch, prepare
 FULL = {"etas": [0, 2, 4, 8], "corrections": ["naive", "tis", "decoupled_ppo"], "seeds": [0, 1, 2, 3], "steps": 150,
         "minibatches": 4}
 QUICK = {"etas": [0, 4, 8], "corrections": ["naive", "decoupled_ppo"], "seeds": [0], "steps": 150, "minibatches": 4}
-LOSS_METRICS = ("ess", "clipped_fraction", "truncated_fraction", "masked_fraction")
+# ESS is of the weights a loss applies (1 for naive, which applies none); KL(behaviour → proximal)
+# describes the data's off-policyness whatever the objective.
+LOSS_METRICS = ("ess", "kl_behavior_proximal", "clipped_fraction", "truncated_fraction", "masked_fraction")
 
 
 def final_mean(values: list[float]) -> float:
@@ -159,7 +161,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
 def print_table(results: dict[str, dict[str, Any]], console: Console) -> None:
     table = Table(title="learning under staleness (final reward = mean of the last 10% of steps)")
     for column in ("η", "correction", "final reward", "± std", "mean reward", "eval acc", "staleness mean / max", "ESS",
-                   "clipped", "truncated", "masked", "wall s"):
+                   "KL(b→p)", "clipped", "truncated", "masked", "wall s"):
         table.add_column(column, justify="right")
     for eta in sorted(results, key=int):
         for correction, c in sorted(results[eta].items()):
@@ -167,8 +169,9 @@ def print_table(results: dict[str, dict[str, Any]], console: Console) -> None:
             table.add_row(eta, correction, f"{c['final_reward_mean']:.3f}", f"{c['final_reward_std']:.3f}",
                           f"{c['mean_reward_mean']:.3f}", accuracy,
                           f"{c['staleness_mean']:.2f} / {c['staleness_max']}", f"{c['ess_mean']:.3f}",
-                          f"{c['clipped_fraction_mean']:.1%}", f"{c['truncated_fraction_mean']:.1%}",
-                          f"{c['masked_fraction_mean']:.1%}", f"{c['wall_s_mean']:.0f}")
+                          f"{c['kl_behavior_proximal_mean']:.4f}", f"{c['clipped_fraction_mean']:.1%}",
+                          f"{c['truncated_fraction_mean']:.1%}", f"{c['masked_fraction_mean']:.1%}",
+                          f"{c['wall_s_mean']:.0f}")
     console.print(table)
 
 

@@ -22,6 +22,7 @@ def fake_run(eta, correction, seed, final):
     return {"eta": eta, "correction": correction, "seed": seed, "final_reward": final, "mean_reward": final / 2,
             "eval_accuracy": 0.5,
             "staleness_mean": eta * 0.8, "staleness_max": eta, "wall_s": 10.0, "ess_mean": 0.9,
+            "kl_behavior_proximal_mean": 0.001 * eta,
             "clipped_fraction_mean": 0.0, "truncated_fraction_mean": 0.01, "masked_fraction_mean": 0.0,
             "curve": {"step": [1, 2], "reward": [0.1, final], "elapsed_s": [1.0, 2.0]}}
 
@@ -70,6 +71,6 @@ def test_a_tiny_sweep_writes_every_pair_it_ran(tmp_path):
     report = json.loads(out.read_text())
     for correction in ("naive", "tis"):
         cell = report["results"]["1"][correction]
-        assert {"final_reward_mean", "final_reward_std", "staleness_mean"} <= set(cell)
+        assert {"final_reward_mean", "final_reward_std", "staleness_mean", "kl_behavior_proximal_mean"} <= set(cell)
         assert cell["staleness_max"] <= 1 and cell["runs"][0]["steps"] == 6
     assert out.with_suffix(".png").is_file()
