@@ -145,6 +145,9 @@ class TrainerSection(_Section):
     tensor_parallel: int = Field(1, ge=1)
     """megatron backend: tensor-parallel ranks the model is split over, one Ray actor each, each
     reserving `num_cpus` and `num_gpus`."""
+    collective_timeout_s: float = Field(600.0, gt=0)
+    """megatron backend: longest wait for the other ranks (joining, each collective); a dead rank
+    fails the run after this instead of hanging it."""
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     """grpo: (r − mean)/(std + eps) per group; drgrpo: r − mean; rloo: leave-one-out baseline."""
     threads: int = Field(1, ge=1)

@@ -183,3 +183,32 @@ def check_step_against_torch(model_dir, tmp_path, atol):
         # is 0, AdamW turns the rounding noise left in it into a step of up to lr, so it is not compared.
         if name in result["state"] and not name.endswith("k_proj.bias"):
             torch.testing.assert_close(result["state"][name], tensor.cpu(), atol=atol, rtol=0, msg=name)
+
+
+def absent_rank_worker(rank, world, port, out):
+    import time
+
+    import torch.distributed as dist
+
+    from streamrl.megatron import parallel
+
+    parallel.initialize(rank=rank, world_size=world, tensor_parallel=world, master_port=port, timeout_s=2)
+    if rank == 1:
+        time.sleep(8)  # alive, but never joins the collective (a rank stuck or dead mid-step)
+        return
+    started = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))
+        outcome = "returned"
+    except RuntimeError:
+        outcome = "raised"
+    with open(f"{out}/rank0.json", "w") as f:
+        f.write(f'{{"outcome": "{outcome}", "waited_s": {time.monotonic() - started}}}')
+
+
+def test_a_collective_without_its_other_rank_fails_after_the_timeout_instead_of_hanging(tmp_path):
+    import json
+
+    run_ranks(absent_rank_worker, 2, str(tmp_path))
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result["outcome"] == "raised" and result["waited_s"] < 7

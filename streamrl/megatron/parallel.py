@@ -3,6 +3,7 @@ megatron-core's tensor / pipeline / data parallel groups over it."""
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -11,9 +12,11 @@ from megatron.core import parallel_state
 
 
 def initialize(*, rank: int = 0, world_size: int = 1, tensor_parallel: int = 1, master_addr: str = "127.0.0.1",
-               master_port: int | None = None, seed: int = 0) -> None:
+               master_port: int | None = None, seed: int = 0, timeout_s: float = 600.0) -> None:
     """Join (or, with world size 1, form) the trainer's process group and split it into model-parallel
-    groups. Without CUDA, megatron-core's two CUDA calls are replaced (see `streamrl.megatron.cpu`)."""
+    groups. Without CUDA, megatron-core's two CUDA calls are replaced (see `streamrl.megatron.cpu`).
+    `timeout_s` bounds joining and every collective: a rank that died fails the others instead of
+    leaving them waiting."""
     if world_size % tensor_parallel:
         raise ValueError(f"tensor parallel size {tensor_parallel} does not divide the {world_size} trainer ranks")
     if not dist.is_initialized():
@@ -22,7 +25,8 @@ def initialize(*, rank: int = 0, world_size: int = 1, tensor_parallel: int = 1, 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
     tensor_rank = parallel_state.get_tensor_model_parallel_rank()
     if torch.cuda.is_available():

@@ -34,7 +34,8 @@ class MegatronTrainer(TorchTrainer):
                  temperature: float = 1.0, version: int = 0, seed: int = 0, rank: int = 0, world_size: int = 1,
                  master_addr: str = "127.0.0.1", master_port: int | None = None):
         parallel.initialize(rank=rank, world_size=world_size, tensor_parallel=trainer.tensor_parallel,
-                            master_addr=master_addr, master_port=master_port, seed=seed)
+                            master_addr=master_addr, master_port=master_port, seed=seed,
+                            timeout_s=trainer.collective_timeout_s)
         # The Hugging Face model stays as the mirror the weights are exported through (eval, save).
         self.mirror, self.tokenizer = load_policy(model_dir, train=False)
         self.model, self.layout = build_model(self.mirror.config)
