@@ -1,7 +1,6 @@
 """The megatron-core backend on CPU (gloo): HF ⇄ Megatron conversion, logits and gradients against the
 Hugging Face model at TP = 1 and 2, and one trainer step against the torch trainer."""
 
-import socket
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from streamrl.buffer.synthetic import synthetic_batch
 from streamrl.config import TrainerSection
 from streamrl.correction import LossConfig, token_logprobs
 from streamrl.megatron.convert import Layout, hf_to_megatron, megatron_to_hf
+from streamrl.megatron.parallel import free_port
 from streamrl.models.hf import load_policy
 from streamrl.models.tiny import build_tokenizer
 from streamrl.tasks.reverse import CharVocab
@@ -76,12 +76,6 @@ def test_conversion_refuses_what_it_cannot_split_or_does_not_know():
 
 
 # ---- megatron-core in worker processes (gloo), one per tensor-parallel rank ------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_ranks(worker, world: int, *args) -> None:
     mp.spawn(worker, args=(world, free_port(), *args), nprocs=world, join=True)

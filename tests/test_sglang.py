@@ -19,6 +19,7 @@ from streamrl.buffer.schema import LENGTH, STOP
 from streamrl.engine.sglang.client import SglangClient, SglangError
 from streamrl.engine.sglang.engine import EngineLost, EnginePool, SglangEngine
 from streamrl.engine.sglang.server import ServerProcess, ServerSpec
+from streamrl.rollout.sglang_producer import disk_loader
 
 FAKE = Path(__file__).with_name("fake_sglang.py")
 spec = importlib.util.spec_from_file_location("fake_sglang", FAKE)
@@ -57,10 +58,6 @@ def calls(server: ServerProcess) -> list[dict]:
     return SglangClient(server.url).call("/fake/calls", method="GET")["calls"]
 
 
-def disk_loader(path):
-    return lambda client: client.update_weights_from_disk(str(path))
-
-
 def test_the_launch_command_binds_to_loopback_and_sends_token_ids_only():
     command = ServerSpec(model_path="/models/qwen", port=31000, tensor_parallel=2, mem_fraction=0.6,
                          memory_saver=True).command()
@@ -89,7 +86,7 @@ def test_a_weight_update_mid_sample_continues_it_and_stamps_every_token_exactly(
     worker = threading.Thread(target=lambda: result.update(sample=engine.sample([5, 6], max_new_tokens=150)))
     worker.start()
     time.sleep(0.2)  # ~50 tokens in
-    engine.update_weights(1, disk_loader(weights_dir))
+    engine.update_weights(1, disk_loader(str(weights_dir)))
     worker.join(timeout=30)
     sample = result["sample"]
     assert len(sample.tokens) == 150 and sample.segments == 2 and engine.stats["continued"] == 1
@@ -124,7 +121,7 @@ def test_updating_one_engine_never_holds_up_another(weights_dir):
         worker.start()
         time.sleep(0.2)
         began = time.monotonic()
-        paused = pool.engines[0].update_weights(3, disk_loader(weights_dir))
+        paused = pool.engines[0].update_weights(3, disk_loader(str(weights_dir)))
         ended = time.monotonic()
         stop.set()
         worker.join(timeout=30)
@@ -138,7 +135,7 @@ def test_updating_one_engine_never_holds_up_another(weights_dir):
 
 def test_a_server_that_dies_is_restarted_with_the_newest_weights_and_the_sample_is_lost(server, weights_dir):
     engine = SglangEngine(SglangClient(server.url), server=server)
-    engine.update_weights(2, disk_loader(weights_dir))
+    engine.update_weights(2, disk_loader(str(weights_dir)))
     errors = []
 
     def long_sample():
@@ -163,7 +160,7 @@ def test_server_errors_name_the_problem_and_a_failed_load_leaves_the_version(ser
     with pytest.raises(SglangError, match="input_ids must be a non-empty list"):
         engine.sample([], max_new_tokens=3)
     with pytest.raises(SglangError, match="no model at"):
-        engine.update_weights(1, disk_loader(tmp_path / "missing"))
+        engine.update_weights(1, disk_loader(str(tmp_path / "missing")))
     assert engine.version == 0 and engine.stats["updates"] == 0
 
 

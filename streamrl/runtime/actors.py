@@ -234,6 +234,7 @@ class TrainerShell:
         self.trainer = learner
         self.groups_per_step, self.get_timeout_s = groups_per_step, get_timeout_s
         self.run_name, self.colocated_producers = run_name, colocated_producers
+        self._colocated: list[ray.actor.ActorHandle] | None = None
         self.queue = get_queue_actor(run_name)
         self.weights = ray.get_actor(actor_name(run_name, "weights"), namespace=NAMESPACE)
         self._cancel = threading.Event()
@@ -300,7 +301,6 @@ class TrainerShell:
             "producer_ids": [g.producer_id for g in groups.groups],
         }
 
-
     @contextmanager
     def _gpu_turn(self) -> Iterator[None]:
         """Colocated (trainer and sglang servers on the same GPUs): the servers free the GPUs, the
@@ -309,8 +309,10 @@ class TrainerShell:
         if not self.colocated_producers:
             yield
             return
-        producers = [ray.get_actor(actor_name(self.run_name, f"producer-{i}"), namespace=NAMESPACE)
-                     for i in range(self.colocated_producers)]
+        if self._colocated is None:  # looked up once: the producers exist by the first step
+            self._colocated = [ray.get_actor(actor_name(self.run_name, f"producer-{i}"), namespace=NAMESPACE)
+                               for i in range(self.colocated_producers)]
+        producers = self._colocated
         try:
             ray.get([p.release_gpu.remote() for p in producers])
             self.trainer.onload()

@@ -115,8 +115,7 @@ def check_resources(config: RunConfig) -> None:
         have = cluster.get(kind, 0)
         if wanted > have:
             raise ConfigError(f"the run reserves {wanted:g} {kind}s (trainer.tensor_parallel × trainer.{field} + "
-                              f"producers.count × "
-                              f"producers.{field}) but the Ray cluster has {have:g}")
+                              f"producers.count × producers.{field}) but the Ray cluster has {have:g}")
 
 
 def trainer_placement(config: RunConfig):
