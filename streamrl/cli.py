@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -49,8 +48,8 @@ def describe_summary(summary: dict) -> str:
 
 def launch(args: argparse.Namespace) -> int:
     from streamrl.config import ConfigError
+    from streamrl.runtime.launch import RunFailed, prepare
     from streamrl.runtime.launch import launch as run_launch
-    from streamrl.runtime.launch import prepare
     from streamrl.runtime.rundir import RunDirError
 
     overrides = list(args.set or [])
@@ -62,12 +61,18 @@ def launch(args: argparse.Namespace) -> int:
         config, run_dir, checkpoint = prepare(args.config, overrides, resume=args.resume)
     except (ConfigError, RunDirError) as exc:
         raise CliError(str(exc)) from exc
-    # SIGTERM (a scheduler, `kill`) stops the run like Ctrl-C: producers stop and a checkpoint is written.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        summary = run_launch(config, run_dir, checkpoint)
+        summary = run_launch(config, run_dir, checkpoint, sigterm_stops=True)
     except (ConfigError, RunDirError) as exc:  # found once Ray is up (e.g. too few CPUs)
         raise CliError(str(exc)) from exc
+    except RunFailed as exc:
+        print(f"streamrl: run failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # during start-up, or a second Ctrl-C while stopping
+        kept = run_dir.latest_checkpoint().name if (run_dir.checkpoints / "latest").is_file() else None
+        print("streamrl: interrupted; " + (f"the last complete checkpoint is {kept} (resume with --resume "
+                                            f"{run_dir.path})" if kept else "nothing was trained"), file=sys.stderr)
+        return 130
     print(describe_summary(summary))
     print(f"run directory: {run_dir.path}")
     return 130 if summary["stopped_by"] == "interrupted" else 0

@@ -8,11 +8,13 @@ reads it back from there.
 
 from __future__ import annotations
 
+import copy
+import datetime
 import json
 import math
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -78,8 +80,31 @@ class TaskSection(_Section):
     """file: the column holding the prompt text."""
     reward: str | None = None
     """file: `module:function` called as `function(completion: str, row: dict) -> float`."""
+    reward_isolation: Literal["process", "inline"] = "process"
+    """file: `process`: call the reward function in a worker process (one per producer), so a hang is
+    cut at `reward_timeout_s` and a crash costs one sample, not the producer; `inline`: call it in the
+    producer's thread (a little faster per call, but a hang is never cut: the timeout is not enforced)."""
+    reward_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False)
+    """file: a reward call still running after this long is a failed reward (`timeout`) and its worker
+    is killed. Generous for string checks; raise it for rewards that run code or tests."""
+    reward_min: float = Field(-1e6, allow_inf_nan=False)
+    """file: a reward below this is a failed reward (`out_of_range`). The default bounds reject only
+    values no reward scale means (overflow, sentinels like 1e30) and keep float32 rewards exact to
+    ~0.06; set your function's real range (e.g. 0 and 1) to catch bugs that return plausible numbers."""
+    reward_max: float = Field(1e6, allow_inf_nan=False)
+    """file: a reward above this is a failed reward (`out_of_range`)."""
+    reward_on_failure: float = Field(0.0, allow_inf_nan=False)
+    """file: the reward a sample gets when its reward call fails: it raised, timed out, or returned
+    NaN/inf, None, a non-number or a value outside [reward_min, reward_max]. Failures are counted by
+    kind per producer in `summary.json` (`reward_failures`), and the run goes on."""
     eval_size: int = Field(256, ge=1)
     """At most this many held-out prompts are evaluated."""
+
+    @model_validator(mode="after")
+    def _reward_range(self) -> TaskSection:
+        if self.reward_min > self.reward_max:
+            raise ValueError(f"reward_min={self.reward_min} is above reward_max={self.reward_max}")
+        return self
 
 
 class SamplingSection(_Section):
@@ -105,7 +130,7 @@ class SglangSection(_Section):
     """Producer i's server j listens on base_port + i × servers + j."""
     memory_saver: bool = False
     """torch-memory-saver (--enable-memory-saver): release and resume memory when colocated with the trainer."""
-    launcher: list[str] | None = None
+    launcher: list[str] | None = Field(None, min_length=1)
     """The command before the server flags; None: `python -m sglang.launch_server`."""
     extra_args: list[str] = []
     startup_timeout_s: float = Field(600.0, gt=0)
@@ -128,13 +153,17 @@ class ProducerSection(_Section):
     """Longest wait of one long poll for newer weights (a new version is seen as soon as it is published)."""
     num_gpus: float = Field(0.0, ge=0)
     """Ray GPUs each producer reserves (its sglang servers run on them)."""
+    max_restarts: int = Field(8, ge=0)
+    """Producers that die (a crashed or preempted worker) are replaced, up to this many times in a run;
+    one more death fails the run (a producer that keeps dying is a bug, not bad luck)."""
     sglang: SglangSection = SglangSection()
 
 
 class TrainerSection(_Section):
     backend: Literal["torch", "megatron"] = "torch"
     lr: float = Field(1e-3, gt=0)
-    betas: tuple[float, float] = (0.9, 0.99)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.99)
+    """Adam's β1, β2, each in [0, 1)."""
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_tokens: int = Field(8192, ge=1)
@@ -231,23 +260,27 @@ class RunConfig(_Section):
 
 def _parse_value(text: str) -> Any:
     """A `--set` value: TOML syntax when it parses (numbers, booleans, arrays, quoted strings), `null` for
-    an unset optional field (TOML has no null), else a bare string."""
+    an unset optional field (TOML has no null), else a bare string. A date or time is kept as the text
+    (no field holds one: `run.name=2024-06-01` means the string)."""
     if text == "null":
         return None
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    return text if isinstance(value, datetime.date | datetime.time) else value
 
 
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """`section.key=value` pairs applied to a nested dict (a new one is returned)."""
-    tree = json.loads(json.dumps(tree))
+    tree = copy.deepcopy(tree)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected section.key=value")
-        *path, leaf = key.strip().split(".")
+        *path, leaf = parts = [part.strip() for part in key.split(".")]
+        if not all(parts):
+            raise ConfigError(f"--set {item!r}: {key.strip()!r} has an empty name between its dots")
         node = tree
         for part in path:
             child = node.setdefault(part, {})
@@ -256,6 +289,27 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = child
         node[leaf] = _parse_value(value.strip())
     return tree
+
+
+_INT64 = 2**63
+
+
+def _check_values(value: Any, where: str = "") -> None:
+    """What the schema cannot say: numbers are finite and fit in 64 bits, and only TOML's plain types
+    (tables, arrays, strings, numbers, booleans) occur, never a date."""
+    if isinstance(value, dict):
+        for key, child in value.items():
+            _check_values(child, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for index, child in enumerate(value):
+            _check_values(child, f"{where}.{index}")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"invalid config: {where}: {value} is not a finite number")
+    elif isinstance(value, int) and not isinstance(value, bool) and not -_INT64 <= value < _INT64:
+        raise ConfigError(f"invalid config: {where}: {value} does not fit in a 64-bit integer")
+    elif value is not None and not isinstance(value, str | int | float):
+        raise ConfigError(f"invalid config: {where}: a TOML {type(value).__name__} is not a valid value "
+                          "(quote it to make it a string)")
 
 
 def _describe(error: ValidationError) -> str:
@@ -269,8 +323,11 @@ def _describe(error: ValidationError) -> str:
 
 
 def config_from_dict(tree: dict[str, Any]) -> RunConfig:
+    """Validate a config tree as it comes from TOML. Types are strict (pydantic's JSON mode: a string is
+    not a number, `true` is not 1, 2.0 is not an int), so a typo never turns into a silent conversion."""
+    _check_values(tree)
     try:
-        return RunConfig.model_validate(tree)
+        return RunConfig.model_validate_json(json.dumps(tree), strict=True)
     except ValidationError as exc:
         raise ConfigError(f"invalid config: {_describe(exc)}") from None
 
@@ -281,9 +338,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
+            problem = "is not a file" if path.exists() else "does not exist"
+            raise ConfigError(f"config file {str(path)!r} {problem}")
         try:
-            tree = tomllib.loads(path.read_text())
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text: {exc}") from None
+        try:
+            tree = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
     return config_from_dict(apply_overrides(tree, overrides or []))

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import ray
+from launching import run_tiny, tiny
 
 from streamrl.buffer import load_queue
 from streamrl.cli import main
@@ -20,20 +21,6 @@ from streamrl.runtime.rundir import RunDir
 from streamrl.runtime.summary import held_versions_differ
 
 pytestmark = pytest.mark.ray
-
-TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.intermediate_size=64",
-        "task.digits=2", "queue.group_size=4", "queue.groups_per_step=4", "queue.max_in_flight=8",
-        "producers.groups_per_batch=2", "run.eval_every=3", "run.checkpoint_every=3", "task.eval_size=16",
-        "logging.progress=none", "run.time_limit_s=null"]
-
-
-def tiny(tmp_path, name, *extra):
-    return [*TINY, f"run.output_dir={json.dumps(str(tmp_path))}", f"run.name={name}", *extra]
-
-
-def run_tiny(tmp_path, name, *extra, stop=None):
-    config, run_dir, checkpoint = prepare(None, tiny(tmp_path, name, *extra))
-    return launch(config, run_dir, checkpoint, stop=stop), run_dir
 
 
 @pytest.fixture(scope="module")

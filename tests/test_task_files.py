@@ -54,10 +54,10 @@ def test_bad_task_files_are_named_in_the_error(files, tiny_model_dir, change, me
         make_task(section(files, **change), tokenizer, search_path=str(files))
 
 
-def test_a_non_finite_reward_is_an_error(files, tiny_model_dir):
+def test_a_non_finite_reward_is_a_recorded_failure_with_the_fallback_reward(files, tiny_model_dir):
     (files / "nan_rewards.py").write_text("def nan(completion, row):\n    return float('nan')\n")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    task = make_task(section(files, reward="nan_rewards:nan"), tokenizer, search_path=str(files))
-    with pytest.raises(ValueError, match="returned nan"):
-        task.reward(0, [4])
+    task = make_task(section(files, reward="nan_rewards:nan"), AutoTokenizer.from_pretrained(tiny_model_dir),
+                     search_path=str(files))
+    assert task.reward(0, [4]) == 0.0 and task.reward_failures() == {"nan": 1}
+    task.close()
     sys.modules.pop("nan_rewards", None)

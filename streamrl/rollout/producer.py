@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import pyarrow as pa
 
+from streamrl import failpoints
 from streamrl.buffer.queue import Admission, Ticket
 from streamrl.buffer.schema import build_batch
 from streamrl.engine.generation import Generation
@@ -97,8 +98,10 @@ class RolloutProducer:
         self.stats["idle_s"] += time.perf_counter() - waited
         tickets = admission.tickets
         try:
+            failpoints.hit("producer.generate")
             batch = self.generate(tickets)
             self.queue.commit(batch)
+            failpoints.hit("producer.after_commit")
         except BaseException:
             self.queue.abandon([t.ticket_id for t in tickets])  # the prompts go back; the error propagates
             raise

@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import ray
 
+from streamrl import failpoints
 from streamrl.buffer.actor import NAMESPACE, fetch_table, get_queue_actor
 from streamrl.buffer.queue import Admission, QueueClosed
 from streamrl.config import RunConfig
@@ -79,6 +80,12 @@ def receiving(receiver: WeightReceiver, weights: ray.actor.ActorHandle, holder: 
         ray.get(weights.drop_holder.remote(holder), timeout=30)
 
 
+def _reward_failures(task: Any) -> dict[str, Any]:
+    """A file task's failed rewards (counts by kind, the last few messages); built-in rewards cannot fail."""
+    return {"reward_failures": getattr(task, "reward_failures", dict)(),
+            "reward_failures_recent": getattr(task, "recent_reward_failures", list)()}
+
+
 class ProducerActor:
     def __init__(self, run_name: str, producer_id: int, config: dict[str, Any], model_dir: str, seed: int,
                  search_path: str | None = None):
@@ -123,7 +130,7 @@ class ProducerActor:
 
     def status(self) -> dict[str, Any]:
         return {"producer_id": self.producer.producer_id, **self.producer.stats, **self.receiver.status(),
-                "blocked_by": self.producer.last_blocked_by}
+                "blocked_by": self.producer.last_blocked_by, **_reward_failures(self.producer.task)}
 
     def weight_history(self) -> list[tuple[float, int]]:
         return list(self.receiver.history)
@@ -198,7 +205,8 @@ class SglangProducerActor:
         engines = [e.stats for e in self.producer.pool.engines]
         return {"producer_id": self.producer.producer_id, **self.producer.stats,
                 "version": self.producer.pool.version, "restarts": sum(e["restarts"] for e in engines),
-                "continued_samples": sum(e["continued"] for e in engines), "blocked_by": self.producer.last_blocked_by}
+                "continued_samples": sum(e["continued"] for e in engines), "blocked_by": self.producer.last_blocked_by,
+                **_reward_failures(self.producer.task)}
 
     def weight_history(self) -> list[tuple[float, int]]:
         return []
@@ -254,6 +262,7 @@ class TrainerShell:
         nothing, keeps versions arriving in order at the (threaded) weights actor, and raises its error."""
         if self._last_publish is not None:
             ray.get(self._last_publish)
+        failpoints.hit("trainer.publish")
         ref = ray.put(self.trainer.weights())  # put copies before returning
         self._last_publish = self.weights.publish.remote(self.trainer.version, [ref])  # in a list: by reference
         return self.trainer.version
@@ -276,6 +285,7 @@ class TrainerShell:
             raise RuntimeError(f"the queue is at version {groups.version}, the trainer at {self.trainer.version}")
         waited = time.perf_counter() - started
         table = fetch_table(groups)
+        failpoints.hit("trainer.train")
         with self._gpu_turn():
             metrics = {f"token_{k}" if k.startswith("staleness") else k: v
                        for k, v in self.trainer.train(table).items()}
@@ -390,6 +400,8 @@ def create_actor(cls: type, run_name: str, role: str, *args, num_cpus: float = 0
     remote_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=max_concurrency)(cls)
     options: dict[str, Any] = {"name": actor_name(run_name, role), "namespace": NAMESPACE,
                                "lifetime": "non_detached"}
+    if failpoints.actor_env():
+        options["runtime_env"] = {"env_vars": failpoints.actor_env()}
     if placement is not None and placement[0] is not None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 
 import ray
 
+from streamrl import failpoints
 from streamrl.buffer.actor import NAMESPACE, create_queue_actor
 from streamrl.config import ConfigError, RunConfig
 from streamrl.runtime.actors import ProducerActor, SglangProducerActor, TrainerActor, create_actor
@@ -33,7 +35,12 @@ from streamrl.weights.actor import WeightsActor
 
 # Fields a resumed run may not change: they define the data already generated and the model trained.
 FROZEN_ON_RESUME = ("model", "task", "queue.group_size", "queue.groups_per_step", "trainer.backend")
-METRICS_FILE, GROUPS_FILE, EVAL_FILE = "metrics.jsonl", "groups.jsonl", "eval.jsonl"
+METRICS_FILE, GROUPS_FILE, EVAL_FILE, EVENTS_FILE = "metrics.jsonl", "groups.jsonl", "eval.jsonl", "events.jsonl"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
 def _section(config: RunConfig, dotted: str) -> Any:
@@ -79,13 +86,15 @@ def resolve_paths(config: RunConfig) -> RunConfig:
 def check_model_and_task(config: RunConfig) -> None:
     """Cross-checks between the model's files and the task, before anything is created."""
     facts = model_facts(config)
+    positions = facts.get("max_position_embeddings")
     if config.task.kind == "file":
         from transformers import AutoTokenizer
 
         from streamrl.tasks import make_task
 
-        try:  # reads the prompt files and imports the reward function: errors name the file or function
-            make_task(config.task, AutoTokenizer.from_pretrained(config.model.path), search_path=os.getcwd())
+        try:  # reads and tokenizes the prompt files, imports the reward function: errors name the file or function
+            make_task(config.task, AutoTokenizer.from_pretrained(config.model.path), search_path=os.getcwd(),
+                      max_prompt_tokens=None if positions is None else positions - 1)  # room for one response token
         except (ValueError, FileNotFoundError) as exc:
             raise ConfigError(f"task: {exc}") from exc
     if config.task.kind == "reverse" and config.model.path is not None:
@@ -98,7 +107,6 @@ def check_model_and_task(config: RunConfig) -> None:
         if any(ids.get(tok) != i for tok, i in expected.items()):
             raise ConfigError("task.kind = 'reverse' needs the character tokenizer streamrl builds "
                               f"(model.path {config.model.path!r} maps its characters to other ids)")
-    positions = facts.get("max_position_embeddings")
     if config.task.kind == "reverse" and positions is not None:
         longest = 2 * config.task.digits + 2 + (config.sampling.max_new_tokens or config.task.digits + 2)
         if longest > positions:
@@ -147,9 +155,22 @@ def connect_ray(config: RunConfig) -> bool:
     return True
 
 
-def producer_seed(base: int, producer_id: int, start_version: int) -> int:
-    digest = hashlib.sha256(f"{base}/{producer_id}/{start_version}".encode()).digest()
-    return int.from_bytes(digest[:4], "little")
+def producer_seed(base: int, producer_id: int, start_version: int, restart: int = 0) -> int:
+    key = f"{base}/{producer_id}/{start_version}" + (f"/{restart}" if restart else "")
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little")
+
+
+class RunFailed(RuntimeError):
+    """A part of the run that cannot be replaced died; the message says which, and how to resume."""
+
+
+def actor_died(exc: BaseException) -> bool:
+    """The error says an actor's process is gone (killed, crashed, its node lost), not that its code raised."""
+    while exc is not None:
+        if isinstance(exc, ray.exceptions.RayActorError):
+            return True
+        exc = exc.__cause__ if isinstance(exc, ray.exceptions.RayTaskError) else None
+    return False
 
 
 class Run:
@@ -171,6 +192,9 @@ class Run:
         self._wandb = None
         self._pending: ray.ObjectRef | None = None
         self.trainer_group = None  # the placement group of a tensor-parallel trainer
+        self.producer_restarts = 0
+        self.model_dir: Path | None = None
+        self._view: ProgressView | None = None
 
     # ---- start -------------------------------------------------------------------------------------------
     def _model_dir(self) -> Path:
@@ -204,18 +228,11 @@ class Run:
                                     num_gpus=cfg.trainer.num_gpus, max_concurrency=2,
                                     placement=(self.trainer_group, 0))
         self.actors.append(self.trainer)
-        sglang = cfg.producers.engine == "sglang"
-        for pid in range(cfg.producers.count):
-            seed = producer_seed(cfg.run.seed, pid, self.start_step)
-            extra = [str(self.run_dir.path / "sglang")] if sglang else []
-            producer = create_actor(SglangProducerActor if sglang else ProducerActor, self.name, f"producer-{pid}",
-                                    self.name, pid, config_dict, str(model_dir), seed, search_path, *extra,
-                                    num_cpus=cfg.producers.num_cpus, num_gpus=cfg.producers.num_gpus,
-                                    max_concurrency=3)
-            self.producers.append(producer)
-        self.actors += self.producers
+        self.model_dir = model_dir
+        self.producers = [self._create_producer(pid) for pid in range(cfg.producers.count)]
+        failpoints.hit("launch.start")
         # sglang producers start their servers in their constructor (weights loaded, CUDA graphs captured)
-        ready_timeout = 300 + (cfg.producers.sglang.startup_timeout_s if sglang else 0)
+        ready_timeout = 300 + (cfg.producers.sglang.startup_timeout_s if cfg.producers.engine == "sglang" else 0)
         ray.get([a.ready.remote() for a in [self.trainer, *self.producers]], timeout=ready_timeout)
         version = ray.get(self.trainer.publish.remote())
         if version != self.start_step:
@@ -231,17 +248,82 @@ class Run:
             self._wandb = wandb.init(project=cfg.logging.wandb_project, name=self.name, dir=str(self.run_dir.path),
                                      mode=cfg.logging.wandb_mode, config=config_dict, resume="allow")
 
+    def _create_producer(self, pid: int, restart: int = 0) -> ray.actor.ActorHandle:
+        cfg = self.config
+        sglang = cfg.producers.engine == "sglang"
+        seed = producer_seed(cfg.run.seed, pid, self.start_step, restart)
+        extra = [str(self.run_dir.path / "sglang")] if sglang else []
+        # A dead actor's name stays taken while handles to it live: a replacement gets its own name.
+        role = f"producer-{pid}" + (f"-restart{restart}" if restart else "")
+        producer = create_actor(SglangProducerActor if sglang else ProducerActor, self.name, role, self.name, pid,
+                                cfg.model_dump(mode="json"), str(self.model_dir), seed, os.getcwd(), *extra,
+                                num_cpus=cfg.producers.num_cpus, num_gpus=cfg.producers.num_gpus, max_concurrency=3)
+        self.actors.append(producer)
+        return producer
+
     # ---- the loop ------------------------------------------------------------------------------------------
     def _await(self, ref: ray.ObjectRef) -> Any:
-        """Wait for a trainer call, failing fast if a producer died meanwhile."""
+        """Wait for a trainer call; a producer that died meanwhile is replaced, one that failed fails the run."""
         while True:
             ready, _ = ray.wait([ref], timeout=0.5)
             if ready:
                 return ray.get(ref)
             done, _ = ray.wait(self.producer_runs, num_returns=len(self.producer_runs), timeout=0)
             for finished in done:
-                ray.get(finished)  # raises the producer's error
-                raise RuntimeError("a producer stopped while the run was training")
+                pid = self.producer_runs.index(finished)
+                try:
+                    ray.get(finished)
+                except ray.exceptions.RayError as exc:
+                    if not actor_died(exc) or self.dead_core_actor() is not None:
+                        raise
+                    self.replace_producer(pid, exc)
+                    continue
+                raise RuntimeError(f"producer {pid} stopped while the run was training")
+
+    def dead_core_actor(self) -> str | None:
+        """The first of queue, weights and trainer whose process is gone (None: all three answer)."""
+        for role, call in (("queue", lambda: self.queue.status.remote()),
+                           ("weights", lambda: self.weights.status.remote()),
+                           ("trainer", lambda: self.trainer.ready.remote())):
+            try:
+                ray.get(call(), timeout=30)
+            except ray.exceptions.RayActorError:
+                return role
+        return None
+
+    def failure(self, exc: BaseException) -> RunFailed | None:
+        """What to tell the user when the loop failed because a queue, weights or trainer actor died;
+        None when they are all alive (the error is something else and propagates as it is)."""
+        role = self.dead_core_actor()
+        if role is None:
+            return None
+        checkpoint = self.run_dir.latest_checkpoint().name if (self.run_dir.checkpoints / "latest").is_file() else None
+        resume = (f"To resume from {checkpoint}: streamrl launch --resume {self.run_dir.path}" if checkpoint else
+                  "No checkpoint was written yet (run.checkpoint_every): start the run again")
+        self.run_dir.append(EVENTS_FILE, {"event": "run_failed", "dead": role, "step": self.step,
+                                          "error": _first_line(exc), "at": time.time()})
+        return RunFailed(f"the {role} actor died at step {self.step} ({_first_line(exc)}); the run stopped. "
+                         f"{resume}")
+
+    def replace_producer(self, pid: int, exc: BaseException) -> None:
+        """A producer died: its running groups' prompts go back to the queue (its committed groups are the
+        queue's and stay), it stops holding a weights version, and a new producer takes its place."""
+        if self.producer_restarts >= self.config.producers.max_restarts:
+            raise RunFailed(f"producer {pid} died and producers.max_restarts = {self.config.producers.max_restarts} "
+                            f"replacements are used up ({_first_line(exc)})") from exc
+        self.producer_restarts += 1
+        returned = ray.get(self.queue.abandon_producer.remote(pid))
+        ray.get(self.weights.drop_holder.remote(pid))
+        old = self.producers[pid]
+        self.actors.remove(old)
+        self.producers[pid] = self._create_producer(pid, restart=self.producer_restarts)
+        self.producer_runs[pid] = self.producers[pid].run.remote()
+        self.run_dir.append(EVENTS_FILE, {"event": "producer_replaced", "producer": pid, "step": self.step,
+                                          "prompts_returned": len(returned), "error": _first_line(exc),
+                                          "at": time.time()})
+        if self._view is not None:
+            self._view.print(f"producer {pid} died ({_first_line(exc)}); {len(returned)} running groups go back "
+                             f"to the queue, a new producer takes its place")
 
     def _evaluate(self, started: float) -> dict[str, Any]:
         result = {"step": self.step, "elapsed_s": self._elapsed(started), **self._await(self.trainer.evaluate.remote())}
@@ -253,6 +335,7 @@ class Run:
 
     def train(self, view: ProgressView, stop: threading.Event) -> None:
         cfg = self.config.run
+        self._view = view
         started = time.perf_counter()
         self._started = started
         if self.start_step == 0:
@@ -317,6 +400,7 @@ class Run:
 
         def write(tmp: Path) -> None:
             ray.get(self.trainer.checkpoint.remote(str(tmp / "trainer")))
+            failpoints.hit("checkpoint.write")  # half written: the trainer's part is there, the queue's is not
             ray.get(self.queue.checkpoint.remote(str(tmp / "queue")))
 
         meta = {"step": self.step, "version": self.step, "elapsed_s": self._elapsed(started),
@@ -332,9 +416,16 @@ class Run:
         was_paused = ray.get(self.queue.pause.remote())
         for producer in self.producers:
             producer.stop.remote()
-        ray.get(self.producer_runs, timeout=timeout)
-        self.producer_stats = ray.get([p.status.remote() for p in self.producers])
-        self.weight_histories = ray.get([p.weight_history.remote() for p in self.producers])
+        alive = []
+        for pid, run in enumerate(self.producer_runs):
+            try:
+                ray.get(run, timeout=timeout)
+                alive.append(self.producers[pid])
+            except ray.exceptions.RayActorError:  # died while stopping: its running groups go back
+                ray.get(self.queue.abandon_producer.remote(pid))
+                ray.get(self.weights.drop_holder.remote(pid))
+        self.producer_stats = ray.get([p.status.remote() for p in alive])
+        self.weight_histories = ray.get([p.weight_history.remote() for p in alive])
         ray.get(self.queue.resume.remote(was_paused))  # the checkpoint keeps the operator's setting
 
     def finish(self, view: ProgressView) -> dict[str, Any]:
@@ -351,6 +442,7 @@ class Run:
         summary = summarize(self.run_dir, self.config, stopped_by=self.stopped_by, final_eval=final_eval,
                             producers=self.producer_stats, weight_histories=self.weight_histories,
                             queue=ray.get(self.queue.status.remote()))
+        summary["producer_restarts"] = self.producer_restarts
         self.run_dir.write_json("summary.json", summary)
         return summary
 
@@ -382,7 +474,7 @@ def prepare(config_path: str | None = None, overrides: list[str] | None = None, 
         config = run_dir.config(overrides)
         check_resume_overrides(saved, config)
         check_model_and_task(config)
-        checkpoint = run_dir.latest_checkpoint()
+        checkpoint = run_dir.verified_checkpoint()
         step = json.loads((checkpoint / "meta.json").read_text())["step"]
         if step >= config.run.steps:
             raise ConfigError(f"the run is already at step {step} and run.steps = {config.run.steps}; "
@@ -403,16 +495,19 @@ def prepare(config_path: str | None = None, overrides: list[str] | None = None, 
 
 
 def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
-           stop: threading.Event | None = None) -> dict[str, Any]:
-    """Run to completion, Ctrl-C, or until `stop` is set, and return the summary; Ray is left as it was found."""
+           stop: threading.Event | None = None, sigterm_stops: bool = False) -> dict[str, Any]:
+    """Run to completion, Ctrl-C, or until `stop` is set, and return the summary; Ray is left as it was found.
+    `sigterm_stops`: SIGTERM (a scheduler, `kill`) stops the run like Ctrl-C, with a checkpoint."""
     run = Run(config, run_dir, resume_from=resume_from)
     started_ray = connect_ray(config)
+    if sigterm_stops:  # after Ray starts: its core worker installs a SIGTERM handler that exits at once
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     view = ProgressView(config.logging.progress, config.run.steps, run.start_step, config.logging.line_every)
     view.print(f"streamrl run {config.run.name!r} → {run_dir.path}")
     try:
         try:
             run.start()
-        except ConfigError:
+        except (ConfigError, KeyboardInterrupt):
             if resume_from is None:
                 run_dir.discard_unstarted()  # nothing ran: the same command can be fixed and run again
             raise
@@ -421,6 +516,11 @@ def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
         except KeyboardInterrupt:
             run.stopped_by = "interrupted"
             view.print("interrupted: stopping producers and writing a checkpoint (Ctrl-C again to abort)")
+        except ray.exceptions.RayError as exc:
+            failed = run.failure(exc)
+            if failed is None:
+                raise
+            raise failed from exc
         return run.finish(view)
     finally:
         view.close()

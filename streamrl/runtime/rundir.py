@@ -8,7 +8,7 @@
    eval.jsonl         held-out evaluations
    summary.json       written at the end
    model/initial/     the built-in model, when no model.path is given
-   checkpoints/step_000200/{trainer/, queue/, meta.json}   and `checkpoints/latest` naming the newest
+   checkpoints/step_000200/{trainer/, queue/, meta.json, checksums.json}   and `checkpoints/latest` naming the newest
 ```
 """
 
@@ -19,8 +19,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from streamrl.buffer.checkpoint import atomic_directory
+from streamrl.buffer.checkpoint import atomic_directory, sha256_file
 from streamrl.config import RunConfig, dump_config, load_config
+
+CHECKSUMS = "checksums.json"  # sha256 of every other file of a checkpoint, written last
 
 
 class RunDirError(RuntimeError):
@@ -100,8 +102,12 @@ class RunDir:
         def fill(tmp: Path) -> None:
             write(tmp)
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+            checksums = {str(f.relative_to(tmp)): sha256_file(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
+            (tmp / CHECKSUMS).write_text(json.dumps(checksums, indent=1) + "\n")
 
         self.checkpoints.mkdir(exist_ok=True)
+        for stale in self.checkpoints.glob(".step_*.tmp-*"):  # left by a writer that was killed mid-write
+            shutil.rmtree(stale)
         target = atomic_directory(self.step_dir(step), fill)
         latest_tmp = self.checkpoints / ".latest.tmp"
         latest_tmp.write_text(target.name + "\n")
@@ -118,3 +124,34 @@ class RunDir:
         if not (target / "meta.json").is_file():
             raise RunDirError(f"checkpoint {str(target)!r} is incomplete (no meta.json)")
         return target
+
+    def verified_checkpoint(self) -> Path:
+        """The latest checkpoint, every file checked against the checksums written with it; a damaged one
+        is refused with the file named (and the older checkpoints that do verify, to resume from instead)."""
+        target = self.latest_checkpoint()
+        problem = checkpoint_problem(target)
+        if problem is not None:
+            older = [p.name for p in sorted(self.checkpoints.glob("step_*")) if p != target and
+                     checkpoint_problem(p) is None]
+            hint = (f"; {', '.join(older)} verifies: point {self.checkpoints / 'latest'} at it to resume from there"
+                    if older else "; no other checkpoint verifies")
+            raise RunDirError(f"checkpoint {str(target)!r} is damaged: {problem}{hint}")
+        return target
+
+
+def checkpoint_problem(directory: Path) -> str | None:
+    """What is wrong with a checkpoint's files (missing, truncated, altered), or None."""
+    listing = directory / CHECKSUMS
+    if not listing.is_file():
+        return f"{CHECKSUMS} is missing"
+    try:
+        expected = json.loads(listing.read_text())
+    except ValueError as exc:
+        return f"{CHECKSUMS} is not valid JSON ({exc})"
+    for name, digest in expected.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if sha256_file(path) != digest:
+            return f"{name} does not match its checksum (truncated or altered)"
+    return None

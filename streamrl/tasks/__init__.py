@@ -36,8 +36,9 @@ class Task(Protocol):
 
 
 def make_task(section: TaskSection, tokenizer: PreTrainedTokenizerBase | None = None, *, seed: int = 0,
-              search_path: str | None = None) -> Task:
-    """The task a config names. File tasks tokenize with the model's tokenizer."""
+              search_path: str | None = None, max_prompt_tokens: int | None = None) -> Task:
+    """The task a config names. File tasks tokenize with the model's tokenizer; with `max_prompt_tokens`
+    they tokenize every prompt at once and refuse one that is longer."""
     if section.kind == "reverse":
         from streamrl.tasks.reverse import ReverseDigits
 
@@ -47,7 +48,7 @@ def make_task(section: TaskSection, tokenizer: PreTrainedTokenizerBase | None = 
 
         if tokenizer is None:
             raise ValueError("a file task needs the model's tokenizer")
-        return FileTask(section, tokenizer, search_path=search_path)
+        return FileTask(section, tokenizer, search_path=search_path, max_prompt_tokens=max_prompt_tokens)
     raise ValueError(f"unknown task kind {section.kind!r}")
 
 

@@ -1,0 +1,189 @@
+"""Faults injected into real runs (actors killed with SIGKILL, signals in every phase): the run survives
+what it can, stops cleanly with a resumable checkpoint when it cannot, and loses or duplicates nothing."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import ray
+from launching import resume_tiny, run_tiny, tiny
+
+from streamrl import failpoints
+from streamrl.buffer.checkpoint import load_queue
+from streamrl.chaos.audit import audit_run
+from streamrl.runtime.launch import RunFailed
+from streamrl.runtime.rundir import RunDir
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture
+def armed(tmp_path, monkeypatch):
+    """Arm fail points for this test's runs (the driver hands them to its actors)."""
+    directory = tmp_path / "failpoints"
+    directory.mkdir()
+
+    def arm(spec: str) -> str:
+        monkeypatch.setenv(failpoints.ENV_SPEC, spec)
+        monkeypatch.setenv(failpoints.ENV_DIR, str(directory))
+        return str(directory)
+    return arm
+
+
+def assert_nothing_lost_or_repeated(run_dir, steps):
+    audit = audit_run(run_dir.path)
+    assert audit["steps"] == steps and audit["steps_in_order"], audit
+    assert audit["groups_lost"] == 0 and audit["groups_duplicated"] == 0, audit
+
+
+def events(run_dir):
+    return [e["event"] for e in run_dir.read("events.jsonl")]
+
+
+def test_producers_killed_mid_generation_and_right_after_a_commit_are_replaced(ray_local, tmp_path, armed):
+    directory = armed("producer.generate=kill@3;producer.after_commit=kill@4")
+    summary, run_dir = run_tiny(tmp_path, "producer-deaths", "run.steps=6", "producers.count=2")
+    assert sorted(failpoints.fired(directory)) == ["producer.after_commit", "producer.generate"]
+    assert summary["stopped_by"] == "steps" and summary["producer_restarts"] == 2
+    replaced = run_dir.read("events.jsonl")
+    assert [e["event"] for e in replaced] == ["producer_replaced"] * 2
+    # the producer killed mid-generation held running groups: they went back and were generated again
+    assert sum(e["prompts_returned"] for e in replaced) >= 1
+    # a batch committed just before its producer died belongs to the queue: it is trained, nothing is lost
+    assert_nothing_lost_or_repeated(run_dir, 6)
+
+
+def test_a_producer_that_keeps_dying_fails_the_run_once_restarts_are_used_up(ray_local, tmp_path, armed):
+    armed("producer.generate=kill")
+    with pytest.raises(RunFailed, match="producers.max_restarts = 0"):
+        run_tiny(tmp_path, "no-restarts", "run.steps=4", "producers.count=1", "producers.max_restarts=0")
+
+
+def test_a_trainer_killed_mid_step_resumes_from_the_last_checkpoint(ray_local, tmp_path, armed):
+    armed("trainer.train=kill@4")  # in the 4th step, after the checkpoint of step 2
+    with pytest.raises(RunFailed, match=r"the trainer actor died at step 3.*To resume from step_000002") as caught:
+        run_tiny(tmp_path, "trainer-death", "run.steps=5", "run.checkpoint_every=2", "producers.count=2")
+    assert "streamrl launch --resume" in str(caught.value)
+    run_dir = RunDir.open(tmp_path / "trainer-death")
+    assert events(run_dir) == ["run_failed"]
+    summary = resume_tiny(run_dir)
+    assert summary["stopped_by"] == "steps" and summary["steps"] == 5
+    # steps 3 trained before the death and the groups generated after the checkpoint are gone with the
+    # roll-back: step 3 onwards is trained once, from the checkpoint's queue and regenerated prompts
+    assert_nothing_lost_or_repeated(run_dir, 5)
+
+
+def test_a_killed_queue_stops_the_run_quickly_with_a_resumable_checkpoint(ray_local, tmp_path):
+    killed = {}
+
+    def kill_queue_after_step_3():
+        metrics = tmp_path / "queue-death" / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            time.sleep(0.1)
+        queue = ray.get_actor("queue-death/queue", namespace="streamrl")
+        os.kill(ray.get(queue.pid.remote()), signal.SIGKILL)
+        killed["at"] = time.monotonic()
+
+    killer = threading.Thread(target=kill_queue_after_step_3, daemon=True)
+    killer.start()
+    with pytest.raises(RunFailed, match=r"the queue actor died.*To resume from step_000002"):
+        run_tiny(tmp_path, "queue-death", "run.steps=1000", "run.checkpoint_every=2", "producers.count=2")
+    stopped_within = time.monotonic() - killed["at"]
+    assert stopped_within < 30, stopped_within  # no hang: producers and trainer fail fast on the dead queue
+    run_dir = RunDir.open(tmp_path / "queue-death")
+    summary = resume_tiny(run_dir, "run.steps=4")
+    assert summary["steps"] == 4
+    assert_nothing_lost_or_repeated(run_dir, 4)
+
+
+def launch_subprocess(tmp_path, name, *extra, env=None):
+    address = ray.get_runtime_context().gcs_address
+    items = tiny(tmp_path, name, "run.steps=100000", "run.checkpoint_every=2", "producers.count=2", *extra)
+    command = [sys.executable, "-m", "streamrl.cli", "launch", "--address", address,
+               *[arg for item in items for arg in ("--set", item)]]
+    return subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, **(env or {})})
+
+
+def wait_for_fail_point(proc, directory, name, timeout=90):
+    deadline = time.time() + timeout
+    while name not in failpoints.fired(directory):
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"fail point {name} not reached: {proc.communicate()[0][-3000:]}")
+        time.sleep(0.1)
+
+
+def assert_consistent_final_checkpoint(run_dir):
+    checkpoint = run_dir.verified_checkpoint()  # every file matches its checksum
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    assert load_queue(checkpoint / "queue").version == meta["step"]  # queue and trainer at the same version
+    assert not list(run_dir.checkpoints.glob(".step_*"))  # no half-written directory left
+
+
+@pytest.mark.parametrize("phase, point, signum", [
+    ("generation", "producer.generate=sleep:4@2", signal.SIGINT),
+    ("training step", "trainer.train=sleep:4@3", signal.SIGINT),
+    ("weight publish", "trainer.publish=sleep:4@3", signal.SIGTERM),
+    ("checkpoint write", "checkpoint.write=sleep:4", signal.SIGINT),
+])
+def test_a_signal_in_any_phase_stops_cleanly_with_a_consistent_checkpoint(ray_local, tmp_path, phase, point, signum):
+    directory = tmp_path / "failpoints"
+    directory.mkdir()
+    name = "signalled"
+    proc = launch_subprocess(tmp_path, name, env={failpoints.ENV_SPEC: point, failpoints.ENV_DIR: str(directory)})
+    wait_for_fail_point(proc, directory, point.partition("=")[0])
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground group
+    else:
+        proc.send_signal(signal.SIGTERM)  # a scheduler stopping the job
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output[-3000:]
+    run_dir = RunDir.open(tmp_path / name)
+    summary = json.loads((run_dir.path / "summary.json").read_text())
+    assert summary["stopped_by"] == "interrupted"
+    assert_consistent_final_checkpoint(run_dir)
+    assert_nothing_lost_or_repeated(run_dir, summary["steps"])
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # nothing of the launcher's process group is left
+    for role in ("queue", "weights", "trainer", "producer-0", "producer-1"):
+        with pytest.raises(ValueError):
+            ray.get_actor(f"{name}/{role}", namespace="streamrl")
+
+
+def test_ctrl_c_during_start_up_leaves_nothing(ray_local, tmp_path):
+    directory = tmp_path / "failpoints"
+    directory.mkdir()
+    proc = launch_subprocess(tmp_path, "early", env={failpoints.ENV_SPEC: "launch.start=sleep:4",
+                                                      failpoints.ENV_DIR: str(directory)})
+    wait_for_fail_point(proc, directory, "launch.start")
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "nothing was trained" in output, output[-3000:]
+    assert not (tmp_path / "early").exists()  # the same command can simply be run again
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
+    for role in ("queue", "weights", "trainer", "producer-0"):
+        with pytest.raises(ValueError):
+            ray.get_actor(f"early/{role}", namespace="streamrl")
+
+
+def test_a_driver_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(ray_local, tmp_path):
+    directory = tmp_path / "failpoints"
+    directory.mkdir()
+    proc = launch_subprocess(tmp_path, "torn", env={failpoints.ENV_SPEC: "checkpoint.write=kill@2",
+                                                     failpoints.ENV_DIR: str(directory)})
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, output[-3000:]
+    run_dir = RunDir.open(tmp_path / "torn")
+    assert list(run_dir.checkpoints.glob(".step_000004.tmp-*"))  # the torn write is still on disk
+    assert run_dir.verified_checkpoint().name == "step_000002"  # and the previous checkpoint is in force
+    summary = resume_tiny(run_dir, "run.steps=4")
+    assert summary["steps"] == 4
+    assert not list(run_dir.checkpoints.glob(".step_*"))
+    assert_nothing_lost_or_repeated(run_dir, 4)
