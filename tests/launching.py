@@ -2,12 +2,8 @@
 
 import json
 
+from streamrl.chaos.faults import TINY
 from streamrl.runtime.launch import launch, prepare
-
-TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.intermediate_size=64",
-        "task.digits=2", "queue.group_size=4", "queue.groups_per_step=4", "queue.max_in_flight=8",
-        "producers.groups_per_batch=2", "run.eval_every=3", "run.checkpoint_every=3", "task.eval_size=16",
-        "logging.progress=none", "run.time_limit_s=null"]
 
 
 def tiny(tmp_path, name, *extra):
