@@ -91,7 +91,7 @@ def test_a_killed_queue_stops_the_run_quickly_with_a_resumable_checkpoint(ray_lo
 
     killer = threading.Thread(target=kill_queue_after_step_3, daemon=True)
     killer.start()
-    with pytest.raises(RunFailed, match=r"the queue actor died.*To resume from step_000002"):
+    with pytest.raises(RunFailed, match=r"the queue actor died.*To resume from step_00000[24]"):
         run_tiny(tmp_path, "queue-death", "run.steps=1000", "run.checkpoint_every=2", "producers.count=2")
     stopped_within = time.monotonic() - killed["at"]
     assert stopped_within < 30, stopped_within  # no hang: producers and trainer fail fast on the dead queue

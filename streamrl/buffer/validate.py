@@ -57,6 +57,9 @@ def as_record_batch(batch: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
 
 def _check_schema(batch: pa.RecordBatch) -> None:
     expected = {field.name: field for field in TRAJECTORY_SCHEMA}
+    names = batch.schema.names
+    if len(set(names)) != len(names):
+        raise BatchError(next(n for n in names if names.count(n) > 1), None, "duplicate column")
     for field in batch.schema:
         if field.name not in expected:
             raise BatchError(field.name, None, "unexpected column")
@@ -85,7 +88,8 @@ def _check_no_nulls(batch: pa.RecordBatch) -> None:
         if column.null_count:
             row = _first_row_where(np.asarray(column.is_null()))
             raise BatchError(name, row, "null value")
-        if pa.types.is_list(column.type) and column.values.null_count:
+        # flatten(), not .values: a sliced column's child array also holds the rows outside the slice
+        if pa.types.is_list(column.type) and column.flatten().null_count:
             offsets = list_offsets(column)
             flat = np.asarray(column.flatten().is_null())
             raise BatchError(name, _row_of_flat_index(offsets, _first_row_where(flat)), "null element")
