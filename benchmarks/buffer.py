@@ -118,7 +118,7 @@ class _Trainer:
 
 
 def bench_ray(batches: int, seconds: float) -> dict:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         queue = create_queue_actor("bench-buffer", big_config())
         producer, trainer = _Producer.remote(queue), _Trainer.remote(queue)

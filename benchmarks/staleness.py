@@ -198,7 +198,7 @@ def main() -> None:
     console = Console(width=150)
     started = time.time()
     runs = []
-    ray.init(num_cpus=2, include_dashboard=False, namespace="streamrl", logging_level="WARNING", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="streamrl", logging_level="WARNING", log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory(prefix="streamrl-staleness-") as root:
             for seed in grid["seeds"]:

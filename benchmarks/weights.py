@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="report to compare with (default: the stored baseline)")
     args = parser.parse_args()
 
-    ray.init(num_cpus=2, include_dashboard=False, namespace="streamrl", logging_level="WARNING")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="streamrl", logging_level="WARNING")
     try:
         rows = [measure(int(mb * 2**20), n, args.repeats, not args.in_place)
                 for mb in args.sizes_mb for n in args.producers]

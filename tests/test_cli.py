@@ -27,7 +27,7 @@ def test_bad_verb_and_action_exit_nonzero(capsys):
 
 @pytest.mark.ray
 def test_admission_pause_resume_status_against_a_named_queue(capsys):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         queue = create_queue_actor("cli-run", QueueConfig(group_size=1, groups_per_step=1))
         assert main(["admission", "pause", "--run", "cli-run"]) == 0

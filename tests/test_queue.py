@@ -72,8 +72,10 @@ def test_a_producer_behind_on_weights_gets_fewer_slots():
     queue = ReplayQueue(cfg)
     queue.set_version(3)
     assert queue.admit(0, 100, weights_version=2).tickets.__len__() == (2 + 1 + 1) * 4
-    lagging = queue.admit(0, 100, weights_version=2)
+    started = time.monotonic()
+    lagging = queue.admit(0, 100, weights_version=2, timeout=5.0)
     assert lagging.tickets == [] and lagging.blocked_by == "stale_weights"
+    assert time.monotonic() - started < 1.0  # only newer weights help: refused at once, not after the timeout
     assert len(queue.admit(1, 100, weights_version=3).tickets) == 4  # the newest weights open more
 
 

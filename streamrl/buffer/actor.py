@@ -13,6 +13,7 @@ a timeout, `get`) run on the actor's thread pool, so they never hold up other ca
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,9 @@ class QueueActor:
 
     def status(self) -> dict[str, Any]:
         return self.queue.status()
+
+    def pid(self) -> int:
+        return os.getpid()  # for samplers of the actor's memory (benchmarks/soak.py)
 
     def running_tickets(self) -> list[Ticket]:
         return self.queue.running_tickets()

@@ -130,6 +130,8 @@ class ReplayQueue:
                     self._blocked_by = reason
                     return Admission(tickets, reason)
                 self._blocked_by = reason
+                if reason == "stale_weights":
+                    return Admission([], reason)  # only the producer loading newer weights helps: no wait
                 if deadline is None:  # the clock is read only when there is something to wait for
                     deadline = time.monotonic() + timeout
                 remaining = deadline - time.monotonic()

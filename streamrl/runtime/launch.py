@@ -28,6 +28,7 @@ from streamrl import failpoints
 from streamrl.buffer.actor import NAMESPACE, create_queue_actor
 from streamrl.config import ConfigError, RunConfig
 from streamrl.runtime.actors import ProducerActor, SglangProducerActor, TrainerActor, create_actor
+from streamrl.runtime.connect import RayConnectError, join_cluster, start_local
 from streamrl.runtime.progress import ProgressView
 from streamrl.runtime.rundir import RunDir, RunDirError
 from streamrl.runtime.summary import summarize
@@ -147,11 +148,13 @@ def connect_ray(config: RunConfig) -> bool:
     """Join the configured cluster or start a local instance; True when this call started Ray."""
     if ray.is_initialized():
         return False
-    if config.ray.address:
-        ray.init(address=config.ray.address, namespace=NAMESPACE, logging_level="WARNING")
-    else:
-        ray.init(num_cpus=config.ray.num_cpus, include_dashboard=False, namespace=NAMESPACE,
-                 logging_level="WARNING")
+    try:
+        if config.ray.address:
+            join_cluster(config.ray.address, namespace=NAMESPACE, logging_level="WARNING")
+        else:
+            start_local(config.ray.num_cpus, namespace=NAMESPACE, logging_level="WARNING")
+    except RayConnectError as exc:
+        raise ConfigError(f"ray.address: {exc}" if config.ray.address else str(exc)) from exc
     return True
 
 
@@ -499,7 +502,12 @@ def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
     """Run to completion, Ctrl-C, or until `stop` is set, and return the summary; Ray is left as it was found.
     `sigterm_stops`: SIGTERM (a scheduler, `kill`) stops the run like Ctrl-C, with a checkpoint."""
     run = Run(config, run_dir, resume_from=resume_from)
-    started_ray = connect_ray(config)
+    try:
+        started_ray = connect_ray(config)
+    except BaseException:
+        if resume_from is None:
+            run_dir.discard_unstarted()  # an unreachable cluster, or Ctrl-C while joining it: nothing ran
+        raise
     if sigterm_stops:  # after Ray starts: its core worker installs a SIGTERM handler that exits at once
         signal.signal(signal.SIGTERM, signal.default_int_handler)
     view = ProgressView(config.logging.progress, config.run.steps, run.start_step, config.logging.line_every)
