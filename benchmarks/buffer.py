@@ -21,6 +21,7 @@ from streamrl.benchreport import BASELINES, Target, finish
 from streamrl.buffer import QueueConfig, ReplayQueue, assemble
 from streamrl.buffer.actor import create_queue_actor, fetch_table
 from streamrl.buffer.synthetic import synthetic_batch
+from streamrl.runtime.connect import start_local
 
 SAMPLES, GROUP = 4096, 8
 GROUPS = SAMPLES // GROUP
@@ -118,7 +119,7 @@ class _Trainer:
 
 
 def bench_ray(batches: int, seconds: float) -> dict:
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local(2, log_to_driver=False)
     try:
         queue = create_queue_actor("bench-buffer", big_config())
         producer, trainer = _Producer.remote(queue), _Trainer.remote(queue)

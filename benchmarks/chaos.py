@@ -27,6 +27,7 @@ from streamrl.benchreport import BASELINES, Target, finish
 from streamrl.chaos.faults import run_campaign
 from streamrl.chaos.fuzz import run_bad_input_campaign
 from streamrl.chaos.soak import run_soak
+from streamrl.runtime.connect import start_local
 
 TARGETS = [Target("faults_injected", ">=", 10), Target("groups_lost", "<=", 0), Target("groups_duplicated", "<=", 0),
            Target("bad_inputs_tried", ">=", 1000), Target("bad_inputs_accepted", "<=", 0),
@@ -77,7 +78,7 @@ def main() -> None:
     soak_knobs = dict(producers=8, duration_s=30.0) if args.quick else dict(producers=16, duration_s=120.0)
 
     started = time.perf_counter()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    start_local(2, logging_level="WARNING")
     try:
         with tempfile.TemporaryDirectory(prefix="streamrl-chaos-") as root:
             faults = run_campaign(Path(root))

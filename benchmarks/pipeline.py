@@ -30,6 +30,7 @@ from rich.table import Table
 
 from streamrl.benchreport import BASELINES, Target, finish
 from streamrl.config import ConfigError, apply_overrides
+from streamrl.runtime.connect import start_local
 from streamrl.sim.pipeline import (
     Schedule,
     SimPool,
@@ -241,7 +242,7 @@ def main() -> None:
         workload = {"engine": "sim", **work.model_dump(), "mean_tokens": work.mean_length(),
                     "calibrated_train_s_per_token": work.calibrated_train_s_per_token(),
                     "model_generation_tokens_per_s": work.generation_tokens_per_s(), "async_eta": args.eta}
-        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="streamrl", logging_level="WARNING",
+        start_local(2, namespace="streamrl", logging_level="WARNING",
                  log_to_driver=False)
         try:
             pool = SimPool()

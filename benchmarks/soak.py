@@ -21,6 +21,7 @@ from rich.table import Table
 
 from streamrl.benchreport import BASELINES, Target, finish
 from streamrl.chaos.soak import run_soak
+from streamrl.runtime.connect import start_local
 
 QUICK = {"producers": 8, "duration_s": 30.0}
 FULL = {"producers": 16, "duration_s": 120.0}
@@ -83,7 +84,7 @@ def main() -> None:
     out = args.out or Path(f"benchmarks/results/soak{'_quick' if args.quick else ''}.json")
 
     # address="local": a Ray of its own even where a cluster is running (its figures are this run's).
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    start_local(2, logging_level="WARNING", log_to_driver=False)
     try:
         results = run_soak(**load, weights_mb=args.weights_mb, seed=args.seed)
     finally:

@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from streamrl.benchreport import BASELINES, finish
+from streamrl.runtime.connect import start_local
 from streamrl.runtime.launch import launch, prepare
 
 # Four PPO mini-batches per consumed batch: the regime in which the corrections differ (with one
@@ -198,7 +199,7 @@ def main() -> None:
     console = Console(width=150)
     started = time.time()
     runs = []
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="streamrl", logging_level="WARNING", log_to_driver=False)
+    start_local(2, namespace="streamrl", logging_level="WARNING", log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory(prefix="streamrl-staleness-") as root:
             for seed in grid["seeds"]:

@@ -27,6 +27,7 @@ from rich.table import Table
 
 from streamrl.benchreport import BASELINES, Target, finish
 from streamrl.runtime.actors import create_actor, remote_fetch
+from streamrl.runtime.connect import start_local
 from streamrl.sim.workload import SimWorkload
 from streamrl.weights.actor import WeightsActor
 from streamrl.weights.receiver import WeightReceiver
@@ -118,7 +119,7 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="report to compare with (default: the stored baseline)")
     args = parser.parse_args()
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="streamrl", logging_level="WARNING")
+    start_local(2, namespace="streamrl", logging_level="WARNING")
     try:
         rows = [measure(int(mb * 2**20), n, args.repeats, not args.in_place)
                 for mb in args.sizes_mb for n in args.producers]

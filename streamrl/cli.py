@@ -24,13 +24,14 @@ class CliError(Exception):
 def _connect(address: str | None) -> None:
     import ray
 
+    from streamrl.runtime.connect import RayConnectError, join_cluster
+
     if ray.is_initialized():
         return
     try:
-        ray.init(address=address or "auto", namespace="streamrl", log_to_driver=False, logging_level="ERROR")
-    except ConnectionError as exc:
-        raise CliError(f"cannot reach a Ray cluster at {address or 'auto'}: {exc}. "
-                       "Start the run first, or pass --address HOST:PORT") from exc
+        join_cluster(address or "auto", namespace="streamrl", log_to_driver=False, logging_level="ERROR")
+    except RayConnectError as exc:
+        raise CliError(str(exc)) from exc
 
 
 def describe_summary(summary: dict) -> str:

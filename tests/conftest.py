@@ -35,7 +35,8 @@ def ray_local():
     """One local Ray instance for every Ray test (starting one costs ~7 s on two cores)."""
     import ray  # here, not at the top: the GPU smoke machine runs the `gpu` tests without Ray
 
-    # "local": a new instance even when a `ray start` cluster runs on this machine (ray.init would join it)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True)
+    from streamrl.runtime.connect import start_local  # as `streamrl launch` does: loopback only
+
+    start_local(2, log_to_driver=True)
     yield
     ray.shutdown()

@@ -2,10 +2,12 @@
 shapes, and a toy model behind them (a seeded random distribution per weight version and context),
 so the client's protocol can be tested without a GPU. Run as a script:
 
-    python tests/fake_sglang.py --port 30001 [--token-delay-s 0.002] [--update-delay-s 0.5]
+    python tests/fake_sglang.py --port 30001 [--token-delay-s 0.002] [--update-delay-s 0.5] [--api-key KEY]
 
 Requests queue while generation is paused; `pause_generation` with mode "abort" ends the running
 requests with finish reason abort and the tokens made so far. `GET /fake/calls` lists the calls in order.
+With `--api-key`, as sglang: every path but `/health*` needs `Authorization: Bearer KEY`, else 401
+`{"error": "Unauthorized"}` (the refused request is not recorded).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import json
 import math
 import random
+import secrets
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -132,6 +135,14 @@ def handle(state: State, path: str, body: dict) -> tuple[int, dict]:
     return 404, {"error": f"unknown endpoint {path}"}
 
 
+def authorized(api_key: str | None, path: str, authorization: str | None) -> bool:
+    """sglang's rule (`add_api_key_middleware`): health checks are open, the rest needs the bearer key."""
+    if api_key is None or path.startswith("/health"):
+        return True
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), api_key.encode())
+
+
 def serve(args) -> None:
     state = State(args)
 
@@ -144,7 +155,15 @@ def serve(args) -> None:
             self.end_headers()
             self.wfile.write(data)
 
+        def _refused(self) -> bool:
+            if authorized(args.api_key, self.path, self.headers.get("Authorization")):
+                return False
+            self._reply(401, {"error": "Unauthorized"})
+            return True
+
         def do_GET(self):  # noqa: N802 - http.server's naming
+            if self._refused():
+                return
             if self.path in ("/health", "/health_generate"):
                 return self._reply(200, {})
             if self.path == "/get_weight_version":
@@ -156,6 +175,8 @@ def serve(args) -> None:
 
         def do_POST(self):  # noqa: N802
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            if self._refused():
+                return
             with state.cond:
                 state.calls.append({"path": self.path, "t": time.time(), "body": body})
                 if state.calls_log:
@@ -183,6 +204,7 @@ if __name__ == "__main__":
     parser.add_argument("--token-delay-s", type=float, default=0.002)
     parser.add_argument("--update-delay-s", type=float, default=0.2)
     parser.add_argument("--calls-log")
+    parser.add_argument("--api-key", help="require it as sglang does (sglang's own flag)")
     # Started as `producers.sglang.launcher`, it receives sglang's own flags: accepted, not used.
     args, _sglang_flags = parser.parse_known_args()
     serve(args)

@@ -6,6 +6,7 @@ import ray
 from streamrl.buffer import QueueConfig
 from streamrl.buffer.actor import create_queue_actor
 from streamrl.cli import main
+from streamrl.runtime.connect import start_local
 
 
 def test_bench_lists_and_refuses_unknown_names(capsys):
@@ -27,7 +28,7 @@ def test_bad_verb_and_action_exit_nonzero(capsys):
 
 @pytest.mark.ray
 def test_admission_pause_resume_status_against_a_named_queue(capsys):
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local(2, log_to_driver=False)
     try:
         queue = create_queue_actor("cli-run", QueueConfig(group_size=1, groups_per_step=1))
         assert main(["admission", "pause", "--run", "cli-run"]) == 0

@@ -20,13 +20,16 @@ def initialize(*, rank: int = 0, world_size: int = 1, tensor_parallel: int = 1, 
     if world_size % tensor_parallel:
         raise ValueError(f"tensor parallel size {tensor_parallel} does not divide the {world_size} trainer ranks")
     if not dist.is_initialized():
-        os.environ["MASTER_ADDR"] = master_addr
-        os.environ["MASTER_PORT"] = str(master_port if master_port is not None else free_port())
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if world_size == 1:  # an in-memory store: no rendezvous port is opened at all
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:  # torch's TCP rendezvous (unauthenticated, as in every torch.distributed job: see README)
+            os.environ["MASTER_ADDR"] = master_addr
+            os.environ["MASTER_PORT"] = str(master_port if master_port is not None else free_port())
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
     tensor_rank = parallel_state.get_tensor_model_parallel_rank()
     if torch.cuda.is_available():

@@ -2,6 +2,8 @@
 
 Shapes follow sglang's `http_server.py` / `io_struct.py`; a non-2xx answer raises `SglangError` with
 the server's message, a server that cannot be reached raises `EngineUnreachable` (the caller restarts it).
+With an API key every request carries `Authorization: Bearer KEY`, which a server started with
+`--api-key` requires (401 without it).
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ class Segment:
 
 
 class SglangClient:
-    def __init__(self, url: str, *, timeout_s: float = 3600.0):
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 3600.0):
         parts = urlsplit(url)
         self.url, self.host, self.port = url, parts.hostname or "127.0.0.1", parts.port or 80
+        self.api_key = api_key
         self.timeout_s = timeout_s
 
     def call(self, path: str, payload: dict[str, Any] | None = None, *, method: str = "POST",
@@ -43,7 +46,10 @@ class SglangClient:
         connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s or self.timeout_s)
         try:
             body = None if payload is None else json.dumps(payload)
-            connection.request(method, path, body=body, headers={"Content-Type": "application/json"})
+            headers = {"Content-Type": "application/json"}
+            if self.api_key is not None:
+                headers["Authorization"] = f"Bearer {self.api_key}"
+            connection.request(method, path, body=body, headers=headers)
             response = connection.getresponse()
             data = response.read()
         except (ConnectionError, http.client.HTTPException, TimeoutError, OSError) as exc:

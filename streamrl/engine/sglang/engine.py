@@ -49,6 +49,8 @@ class Sample:
 class SglangEngine:
     def __init__(self, client: SglangClient, *, server: ServerProcess | None = None, version: int = 0,
                  drain_poll_s: float = 0.2, drain_timeout_s: float = 10.0):
+        if server is not None and client.api_key is None:
+            client.api_key = server.spec.api_key  # a client made from the server's URL alone
         self.client, self.server = client, server
         self.version = version
         self.drain_poll_s, self.drain_timeout_s = drain_poll_s, drain_timeout_s

@@ -4,11 +4,20 @@ The producer owns its servers (one per GPU group): each runs under a guard (`gua
 when the producer's process is gone, in its own process group so that stopping it stops its scheduler
 and detokenizer children too; a server that dies is restarted by its producer while the other
 servers keep generating.
+
+Each server binds loopback (unless `producers.sglang.host` says otherwise) and gets a random API key
+of its own (sglang's `--api-key`): every endpoint but `/health*` wants `Authorization: Bearer KEY`,
+so a client that only knows the port (a web page reaching localhost, a process of a container
+sharing the network, a host elsewhere when the servers bind a public address) cannot generate or
+load weights. The producer that started the server holds the key (the same across restarts); it is
+kept out of reprs and error messages, but sits on the server's command line, which the machine's
+own users can read.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -33,12 +42,14 @@ class ServerSpec:
     seed: int = 0
     extra_args: list[str] = field(default_factory=list)
     launcher: list[str] | None = None  # the command before the flags; None: python -m sglang.launch_server
+    api_key: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     def command(self) -> list[str]:
         launcher = self.launcher or [sys.executable, "-m", "sglang.launch_server"]
         command = [*launcher, "--model-path", self.model_path,
                    "--host", self.host, "--port", str(self.port), "--tp-size", str(self.tensor_parallel),
                    "--mem-fraction-static", str(self.mem_fraction), "--random-seed", str(self.seed),
+                   "--api-key", self.api_key,
                    "--skip-tokenizer-init"]  # streamrl sends and receives token ids only
         if self.base_gpu_id:
             command += ["--base-gpu-id", str(self.base_gpu_id)]
@@ -89,12 +100,16 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if not self.alive():
                 raise RuntimeError(f"the sglang server for {self.url} exited with code {self.process.returncode} "
-                                   f"while starting: {' '.join(self._command)}")
+                                   f"while starting: {' '.join(self._shown_command())}")
             if self.healthy():
                 return
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"the sglang server at {self.url} was not healthy within {self.startup_timeout_s:.0f} s")
+
+    def _shown_command(self) -> list[str]:
+        """The command with the API key masked, for messages."""
+        return ["***" if arg == self.spec.api_key else arg for arg in self._command]
 
     def healthy(self, timeout: float = 30.0) -> bool:
         """Ready to generate (`/health_generate` runs a one-token generation; `/health` varies by version)."""
