@@ -208,6 +208,8 @@ time.sleep(600)
         while time.monotonic() < deadline and SglangClient(f"http://127.0.0.1:{port}").healthy():
             time.sleep(0.1)
         assert not SglangClient(f"http://127.0.0.1:{port}").healthy()  # the guard ended the server
+        while time.monotonic() < deadline and running_in_group(guard):
+            time.sleep(0.1)  # the guard exits a moment after its server
         assert not running_in_group(guard)  # nothing of its process group is left (zombies aside)
     finally:
         owner.kill()
