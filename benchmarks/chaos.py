@@ -104,7 +104,7 @@ def main() -> None:
     workload = {"quick": args.quick, "bad_inputs": bad_inputs, "soak": soak_knobs, "seed": args.seed,
                 "fault_run": "2-layer model, 2-digit reversal, 2 producers, checkpoint every 2 steps"}
     finish("chaos", args.out, workload=workload, results=results, targets=TARGETS, headline=HEADLINE,
-           baseline=args.baseline or BASELINES / "baseline_chaos.json")
+           baseline=args.baseline or BASELINES / f"baseline_{args.out.stem}.json")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,7 @@ def launch(args: argparse.Namespace) -> int:
         config, run_dir, checkpoint = prepare(args.config, overrides, resume=args.resume)
     except (ConfigError, RunDirError) as exc:
         raise CliError(str(exc)) from exc
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # and again once Ray is up (see run_launch)
     try:
         summary = run_launch(config, run_dir, checkpoint, sigterm_stops=True)
     except (ConfigError, RunDirError) as exc:  # found once Ray is up (e.g. too few CPUs)

@@ -126,11 +126,22 @@ def assert_consistent_final_checkpoint(run_dir):
     assert not list(run_dir.checkpoints.glob(".step_*"))  # no half-written directory left
 
 
+def assert_nothing_left(proc, name):
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # nothing of the launcher's process group is left
+    for role in ("queue", "weights", "trainer", "producer-0", "producer-1"):
+        with pytest.raises(ValueError):
+            ray.get_actor(f"{name}/{role}", namespace="streamrl")
+
+
 @pytest.mark.parametrize("phase, point, signum", [
     ("generation", "producer.generate=sleep:4@2", signal.SIGINT),
     ("training step", "trainer.train=sleep:4@3", signal.SIGINT),
+    ("training step", "trainer.train=sleep:4@3", signal.SIGTERM),
     ("weight publish", "trainer.publish=sleep:4@3", signal.SIGTERM),
+    ("weight publish", "trainer.publish=sleep:4@3", signal.SIGINT),
     ("checkpoint write", "checkpoint.write=sleep:4", signal.SIGINT),
+    ("checkpoint write", "checkpoint.write=sleep:4", signal.SIGTERM),
 ])
 def test_a_signal_in_any_phase_stops_cleanly_with_a_consistent_checkpoint(ray_local, tmp_path, phase, point, signum):
     directory = tmp_path / "failpoints"
@@ -149,28 +160,24 @@ def test_a_signal_in_any_phase_stops_cleanly_with_a_consistent_checkpoint(ray_lo
     assert summary["stopped_by"] == "interrupted"
     assert_consistent_final_checkpoint(run_dir)
     assert_nothing_lost_or_repeated(run_dir, summary["steps"])
-    with pytest.raises(ProcessLookupError):
-        os.killpg(proc.pid, 0)  # nothing of the launcher's process group is left
-    for role in ("queue", "weights", "trainer", "producer-0", "producer-1"):
-        with pytest.raises(ValueError):
-            ray.get_actor(f"{name}/{role}", namespace="streamrl")
+    assert_nothing_left(proc, name)
 
 
-def test_ctrl_c_during_start_up_leaves_nothing(ray_local, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_start_up_leaves_nothing(ray_local, tmp_path, signum):
     directory = tmp_path / "failpoints"
     directory.mkdir()
     proc = launch_subprocess(tmp_path, "early", env={failpoints.ENV_SPEC: "launch.start=sleep:4",
                                                       failpoints.ENV_DIR: str(directory)})
     wait_for_fail_point(proc, directory, "launch.start")
-    os.killpg(proc.pid, signal.SIGINT)
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "nothing was trained" in output, output[-3000:]
     assert not (tmp_path / "early").exists()  # the same command can simply be run again
-    with pytest.raises(ProcessLookupError):
-        os.killpg(proc.pid, 0)
-    for role in ("queue", "weights", "trainer", "producer-0"):
-        with pytest.raises(ValueError):
-            ray.get_actor(f"early/{role}", namespace="streamrl")
+    assert_nothing_left(proc, "early")
 
 
 def test_a_driver_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(ray_local, tmp_path):
