@@ -219,3 +219,5 @@ def test_a_file_task_launch_whose_reward_raises_on_every_third_call_completes_an
     assert producer["reward_failures_recent"][-1].startswith("raised: RuntimeError: call ")
     assert json.loads((run_dir.path / "summary.json").read_text())["producers"][0]["reward_failures"] == \
         producer["reward_failures"]
+    evals = run_dir.read("eval.jsonl")  # held-out rewards go through the guard in the trainer
+    assert evals[-1]["eval_reward_failures"] > 0 and "eval_accuracy" in evals[-1]

@@ -357,8 +357,10 @@ class TrainerActor(TrainerShell):
         self.max_new_tokens = cfg.sampling.max_new_tokens or self.task.max_new_tokens()
 
     def evaluate(self, limit: int | None = None) -> dict[str, float]:
-        return self.trainer.evaluate(self.task, limit=limit or self.config.task.eval_size,
-                                     max_new_tokens=self.max_new_tokens)
+        result = self.trainer.evaluate(self.task, limit=limit or self.config.task.eval_size,
+                                       max_new_tokens=self.max_new_tokens)
+        failures = _reward_failures(self.task)["reward_failures"]
+        return {**result, "eval_reward_failures": sum(failures.values())}  # since the trainer started
 
     def checkpoint(self, directory: str) -> None:
         self.trainer.save(Path(directory))
@@ -366,9 +368,10 @@ class TrainerActor(TrainerShell):
 
 def _make_learner(run_name: str, cfg: RunConfig, config: dict[str, Any], model_dir: str, resume_dir: str | None,
                   rank_group: Any = None):
-    """The torch trainer, the megatron trainer, or a megatron rank group (tensor parallel > 1): this
-    process is rank 0, the other ranks are actors it owns, each in its bundle of `rank_group` (the
-    placement group that keeps them on this node) with the resources the trainer reserves each."""
+    """The torch trainer, the megatron trainer, or a megatron rank group (tensor parallel × data
+    parallel > 1): this process is rank 0, the other ranks are actors it owns, each in its bundle of
+    `rank_group` (the placement group that keeps them on this node) with the resources the trainer
+    reserves each."""
     common = dict(trainer=cfg.trainer, loss=cfg.loss, group_size=cfg.queue.group_size,
                   temperature=cfg.sampling.temperature, seed=cfg.run.seed)
     if cfg.trainer.backend == "torch":
@@ -379,7 +382,7 @@ def _make_learner(run_name: str, cfg: RunConfig, config: dict[str, Any], model_d
     from streamrl.trainer.megatron_trainer import MegatronTrainer
     from streamrl.trainer.ranks import MegatronRank, RankGroup
 
-    world = cfg.trainer.tensor_parallel
+    world = cfg.trainer.tensor_parallel * cfg.trainer.data_parallel
     if world == 1:
         return MegatronTrainer(model_dir, **common)
     address, port = ray.util.get_node_ip_address(), free_port()
