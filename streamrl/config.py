@@ -174,6 +174,10 @@ class TrainerSection(_Section):
     tensor_parallel: int = Field(1, ge=1)
     """megatron backend: tensor-parallel ranks the model is split over, one Ray actor each, each
     reserving `num_cpus` and `num_gpus`."""
+    data_parallel: int = Field(1, ge=1)
+    """megatron backend: copies of the (tensor-parallel) model, each training on its share of every
+    mini-batch's groups, gradients summed across them; the trainer runs tensor_parallel × data_parallel
+    rank actors. Above 1, `queue.groups_per_step` must be divisible by data_parallel × minibatches."""
     collective_timeout_s: float = Field(600.0, gt=0)
     """megatron backend: longest wait for the other ranks (joining, each collective); a dead rank
     fails the run after this instead of hanging it."""
@@ -238,6 +242,11 @@ class RunConfig(_Section):
         if self.trainer.minibatches > queue.groups_per_step:
             raise ValueError(f"trainer.minibatches={self.trainer.minibatches} is more than queue.groups_per_step="
                              f"{queue.groups_per_step}: a mini-batch holds at least one whole group")
+        shares = self.trainer.data_parallel * self.trainer.minibatches  # one rank alone splits unevenly
+        if self.trainer.data_parallel > 1 and queue.groups_per_step % shares:
+            raise ValueError(f"queue.groups_per_step={queue.groups_per_step} is not divisible by trainer.data_parallel="
+                             f"{self.trainer.data_parallel} × trainer.minibatches={self.trainer.minibatches}: every "
+                             "data-parallel rank trains on the same number of whole groups in each mini-batch")
         if self.trainer.colocated and not (self.producers.engine == "sglang" and self.producers.sglang.memory_saver):
             raise ValueError("trainer.colocated = true needs producers.engine = 'sglang' with "
                              "producers.sglang.memory_saver = true (the servers free their GPU memory in turn)")
@@ -253,6 +262,11 @@ class RunConfig(_Section):
         if self.trainer.tensor_parallel > 1 and self.trainer.backend != "megatron":
             raise ValueError(f"trainer.tensor_parallel={self.trainer.tensor_parallel} needs trainer.backend = "
                              "'megatron'")
+        if self.trainer.data_parallel > 1 and self.trainer.backend != "megatron":
+            raise ValueError(f"trainer.data_parallel={self.trainer.data_parallel} needs trainer.backend = 'megatron'")
+        if self.trainer.colocated and self.trainer.data_parallel > 1:
+            raise ValueError("trainer.colocated = true with trainer.data_parallel > 1 is not supported: one trainer "
+                             "rank takes turns with the servers")
         return self
 
 

@@ -85,11 +85,12 @@ def test_sync_and_one_step_schedules_run_through_the_same_code_path(ray_local, t
     assert summary["queue"]["over_budget"] == 0
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_the_megatron_trainer_runs_a_launch_and_resumes_from_its_own_checkpoint(ray_local, tmp_path, tp):
+@pytest.mark.parametrize("tp, dp", [(1, 1), (2, 1), (1, 2)])
+def test_the_megatron_trainer_runs_a_launch_and_resumes_from_its_own_checkpoint(ray_local, tmp_path, tp, dp):
     groups_before = len(ray.util.placement_group_table())
-    first, run_dir = run_tiny(tmp_path, f"mcore{tp}", "run.steps=3", "trainer.backend=megatron", "producers.count=1",
-                              f"trainer.tensor_parallel={tp}", f"trainer.num_cpus={1 / tp}", "producers.num_cpus=0.5")
+    first, run_dir = run_tiny(tmp_path, f"mcore{tp}x{dp}", "run.steps=3", "trainer.backend=megatron",
+                              "producers.count=1", f"trainer.tensor_parallel={tp}", f"trainer.data_parallel={dp}",
+                              f"trainer.num_cpus={1 / (tp * dp)}", "producers.num_cpus=0.5")
     assert first["steps"] == 3 and first["staleness_bound_held"]
     model_dir = run_dir.latest_checkpoint() / "trainer" / "model"
     assert (model_dir / "config.json").is_file() and list(model_dir.glob("*.safetensors"))  # HF format out
@@ -99,7 +100,8 @@ def test_the_megatron_trainer_runs_a_launch_and_resumes_from_its_own_checkpoint(
     assert [e["step"] for e in run_dir.read("eval.jsonl")] == [0, 3, 5]  # eval on the megatron weights
     # the ranks ran in one STRICT_PACK placement group, removed with the run
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
-    assert len(ray.util.placement_group_table()) - groups_before == (2 if tp == 2 else 0)  # one per launch
+    assert len(ray.util.placement_group_table()) - groups_before == (2 if tp * dp > 1 else 0)  # one per launch
+    # DP rank 0's TP ranks write the optimizer state (the DP ranks' is the same); every DP rank reads it back
     optimizer_files = sorted(p.name for p in run_dir.latest_checkpoint().glob("trainer/optimizer*.pt"))
     assert optimizer_files == (["optimizer.pt"] if tp == 1 else ["optimizer.tp0.pt", "optimizer.tp1.pt"])
 

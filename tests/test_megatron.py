@@ -179,6 +179,122 @@ def check_step_against_torch(model_dir, tmp_path, atol):
             torch.testing.assert_close(result["state"][name], tensor.cpu(), atol=atol, rtol=0, msg=name)
 
 
+# ---- data parallel: each DP rank trains on its share of the groups, gradients summed -----------------------
+
+# lr 1e-3, not STEP's 1e-2: AdamW's first update is ≈ lr · g/|g|, which turns float rounding in a small
+# gradient into a visible step. At 1e-2 the same DP = 1 step with its micro-batches cut at 12 instead of
+# 24 tokens already moves parameters by up to 2.8e-5 (DP = 2: 6e-5); at 1e-3, 2.7e-6 (DP = 2: 5.6e-6).
+DP_STEP = dict(STEP, lr=1e-3)
+
+
+def dp_worker(rank, world, port, model_dir, out, dp, poison):
+    """One step at TP = world / DP; every rank saves its own weights (DP ranks must agree) and metrics.
+    `poison`: DP rank 1's loss is NaN in the second mini-batch (after the first one was applied)."""
+    torch.set_num_threads(1)
+    from streamrl.trainer.megatron_trainer import MegatronTrainer
+
+    trainer = MegatronTrainer(model_dir, trainer=TrainerSection(tensor_parallel=world // dp, data_parallel=dp,
+                                                                **DP_STEP),
+                              loss=LossConfig(name="decoupled_ppo"), group_size=4, rank=rank, world_size=world,
+                              master_port=port)
+    before = {name: t.clone() for name, t in trainer.model.state_dict().items() if isinstance(t, torch.Tensor)}
+    if poison and trainer.dp_rank == 1:
+        inner, calls = trainer.loss_fn, []
+
+        def poisoned(policy_batch, **kwargs):
+            calls.append(1)
+            value, metrics = inner(policy_batch, **kwargs)
+            return (value * float("nan") if len(calls) > 1 else value), metrics
+
+        poisoned.keywords = inner.keywords
+        trainer.loss_fn = poisoned
+    try:
+        metrics, error = trainer.train(step_batch()), None
+    except FloatingPointError as exc:
+        metrics, error = {}, str(exc)
+    after = {name: t for name, t in trainer.model.state_dict().items() if isinstance(t, torch.Tensor)}
+    state = trainer.hf_state()
+    torch.save({"metrics": metrics, "error": error, "version": trainer.version, "before": before, "after": after,
+                "hf": state, "optimizer": bool(trainer.optimizer.state)}, f"{out}/rank{rank}.pt")
+    trainer.close()
+
+
+def run_dp(model_dir, tmp_path, name, tp, dp, poison=False):
+    out = tmp_path / name
+    out.mkdir()
+    run_ranks(dp_worker, tp * dp, str(model_dir), str(out), dp, poison)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(tp * dp)]
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    """Qwen2 only (tied embeddings, QKV bias): data parallelism does not depend on the architecture."""
+    directory = tmp_path_factory.mktemp("hf-qwen2-dp")
+    hf_model("qwen2").save_pretrained(directory)
+    build_tokenizer(CharVocab()).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def one_rank_step(qwen2_dir, tmp_path_factory):
+    """The reference: the same step on one rank (TP = 1, DP = 1)."""
+    return run_dp(qwen2_dir, tmp_path_factory.mktemp("dp1"), "dp1", 1, 1)[0]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_data_parallel_step_equals_the_one_rank_step(qwen2_dir, one_rank_step, tmp_path, tp):
+    """DP = 2 on the same batch: each rank trains on 1 of each mini-batch's 2 groups, the loss is
+    normalised by both ranks' tokens and the gradients are summed, so the step is the one-rank step
+    (TP = 2 as well: world 4)."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU (gloo) variant")
+    one = one_rank_step
+    ranks = run_dp(qwen2_dir, tmp_path, "dp2", tp, 2)
+    two = ranks[0]
+    assert two["version"] == one["version"] == 1 and two["error"] is None
+    print("metrics DP=1", one["metrics"], "\nmetrics DP=2", two["metrics"])
+    assert set(two["metrics"]) == set(one["metrics"])
+    assert two["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-5)
+    for name, value in one["metrics"].items():  # loss, clipped fractions, tokens, ... reduced over the DP ranks
+        # ess is a ratio within each micro-batch, averaged: it depends on where the micro-batches are cut
+        # (by micro_batch_tokens already at DP = 1), and DP ranks cut different ones
+        if name not in ("train_s", "ess"):
+            assert two["metrics"][name] == pytest.approx(value, abs=1e-6), name
+    worst = 0.0
+    for name, tensor in one["hf"].items():
+        # k_proj.bias: its true gradient is 0 (see check_step_against_torch), AdamW scales rounding noise
+        if not name.endswith("k_proj.bias"):
+            worst = max(worst, float((two["hf"][name] - tensor).abs().max()))
+    print(f"TP={tp}: largest parameter difference DP=2 vs TP=DP=1 after the step: {worst:.2e}")
+    assert worst < 1e-5, worst
+    for rank in ranks[tp:]:  # DP rank 1 holds the same weights as DP rank 0 (its TP peer), and exports nothing
+        assert rank["hf"] == {}
+    for r in range(tp):
+        for name, tensor in ranks[r]["after"].items():
+            assert torch.equal(ranks[r + tp]["after"][name], tensor), name
+
+
+def test_a_non_finite_gradient_on_one_data_parallel_rank_rolls_back_every_rank(qwen2_dir, tmp_path):
+    ranks = run_dp(qwen2_dir, tmp_path, "poison", 1, 2, poison=True)
+    for rank in ranks:  # the NaN was on DP rank 1 only, in the second mini-batch: both ranks undo both
+        assert rank["error"] and "non-finite gradient norm at version 0" in rank["error"]
+        assert rank["version"] == 0 and not rank["optimizer"]
+        for name, tensor in rank["before"].items():
+            assert torch.equal(rank["after"][name], tensor), name
+
+
+def test_the_config_refuses_data_parallel_shares_that_are_not_whole_groups():
+    from streamrl.config import ConfigError, load_config
+
+    megatron = ["trainer.backend=\"megatron\"", "queue.groups_per_step=12", "trainer.minibatches=2"]
+    assert load_config(None, [*megatron, "trainer.data_parallel=3"]).trainer.data_parallel == 3
+    with pytest.raises(ConfigError, match=r"queue.groups_per_step=12 is not divisible by trainer.data_parallel=4 "
+                                          r"× trainer.minibatches=2"):
+        load_config(None, [*megatron, "trainer.data_parallel=4"])
+    with pytest.raises(ConfigError, match="trainer.data_parallel=2 needs trainer.backend = 'megatron'"):
+        load_config(None, ["trainer.data_parallel=2"])
+
+
 def absent_rank_worker(rank, world, port, out):
     import time
 

@@ -11,14 +11,20 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 
-def initialize(*, rank: int = 0, world_size: int = 1, tensor_parallel: int = 1, master_addr: str = "127.0.0.1",
-               master_port: int | None = None, seed: int = 0, timeout_s: float = 600.0) -> None:
+def initialize(*, rank: int = 0, world_size: int = 1, tensor_parallel: int = 1, data_parallel: int = 1,
+               master_addr: str = "127.0.0.1", master_port: int | None = None, seed: int = 0,
+               timeout_s: float = 600.0) -> None:
     """Join (or, with world size 1, form) the trainer's process group and split it into model-parallel
     groups. Without CUDA, megatron-core's two CUDA calls are replaced (see `streamrl.megatron.cpu`).
     `timeout_s` bounds joining and every collective: a rank that died fails the others instead of
-    leaving them waiting."""
-    if world_size % tensor_parallel:
-        raise ValueError(f"tensor parallel size {tensor_parallel} does not divide the {world_size} trainer ranks")
+    leaving them waiting.
+
+    megatron-core derives the data-parallel size as world / TP and numbers ranks TP-fastest (its
+    default order `tp-cp-ep-dp-pp`): global rank = DP rank × TP + TP rank, so a TP group is a run of
+    adjacent ranks and DP rank 0's TP group is ranks 0..TP−1."""
+    if world_size != tensor_parallel * data_parallel:
+        raise ValueError(f"{world_size} trainer ranks are not tensor parallel {tensor_parallel} × data parallel "
+                         f"{data_parallel}")
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
@@ -31,6 +37,9 @@ def initialize(*, rank: int = 0, world_size: int = 1, tensor_parallel: int = 1, 
             os.environ["MASTER_PORT"] = str(master_port if master_port is not None else free_port())
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    if parallel_state.get_data_parallel_world_size() != data_parallel:  # megatron-core's own derivation
+        raise RuntimeError(f"megatron-core formed {parallel_state.get_data_parallel_world_size()} data-parallel "
+                           f"ranks, not {data_parallel}")
     tensor_rank = parallel_state.get_tensor_model_parallel_rank()
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

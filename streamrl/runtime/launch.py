@@ -118,19 +118,21 @@ def check_model_and_task(config: RunConfig) -> None:
 def check_resources(config: RunConfig) -> None:
     """Refuse a run the cluster cannot place (Ray would wait for the resources forever)."""
     cluster = ray.cluster_resources()
-    ranks = config.trainer.tensor_parallel
+    ranks = config.trainer.tensor_parallel * config.trainer.data_parallel
     for kind, field in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
         wanted = ranks * getattr(config.trainer, field) + config.producers.count * getattr(config.producers, field)
         have = cluster.get(kind, 0)
         if wanted > have:
-            raise ConfigError(f"the run reserves {wanted:g} {kind}s (trainer.tensor_parallel × trainer.{field} + "
-                              f"producers.count × producers.{field}) but the Ray cluster has {have:g}")
+            raise ConfigError(f"the run reserves {wanted:g} {kind}s (trainer.tensor_parallel × trainer.data_parallel "
+                              f"× trainer.{field} + producers.count × producers.{field}) but the Ray cluster has "
+                              f"{have:g}")
 
 
 def trainer_placement(config: RunConfig):
-    """A STRICT_PACK placement group with one bundle per tensor-parallel rank (None at TP 1): the ranks
-    talk at every layer, and each writes its optimizer shard into the same checkpoint directory."""
-    ranks = config.trainer.tensor_parallel
+    """A STRICT_PACK placement group with one bundle per trainer rank, TP × DP (None for one rank): the
+    TP ranks talk at every layer, the DP ranks at every optimizer step, DP rank 0's TP ranks write
+    their optimizer shards into one checkpoint directory and every DP rank reads them back on resume."""
+    ranks = config.trainer.tensor_parallel * config.trainer.data_parallel
     if ranks == 1:
         return None
     bundle = {"CPU": config.trainer.num_cpus or 0.001}  # a bundle may not be empty
@@ -140,7 +142,8 @@ def trainer_placement(config: RunConfig):
     ready, _ = ray.wait([group.ready()], timeout=300)
     if not ready:
         ray.util.remove_placement_group(group)
-        raise ConfigError(f"no node can hold the trainer's {ranks} tensor-parallel ranks ({bundle} each) together")
+        raise ConfigError(f"no node can hold the trainer's {ranks} ranks (trainer.tensor_parallel × "
+                          f"trainer.data_parallel, {bundle} each) together")
     return group
 
 

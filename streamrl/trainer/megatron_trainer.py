@@ -3,11 +3,15 @@
 
 ```
  HF model dir ─convert─► this rank's GPTModel shard      (streamrl.megatron.convert / .model)
- step:  θ log-probs vocabulary-parallel ─► loss ─► backward ─► gradient norm over the TP group ─► AdamW
- out:   every rank's shards ─all-gather over TP─► HF names ─► weights for the engines, checkpoints, eval
+ step:  this DP rank's groups of the mini-batch ─► θ log-probs vocabulary-parallel ─► loss / mini-batch
+        tokens (all DP ranks') ─► backward ─► gradients summed over DP ─► norm over TP ─► AdamW
+ out:   DP rank 0's shards ─gather over its TP group─► HF names ─► weights for the engines, checkpoints, eval
 ```
 Weights enter and leave in Hugging Face names, so producers, checkpoints and `--resume` do not know
-which trainer made them. Every rank of a tensor-parallel group runs the same calls on the same batch.
+which trainer made them. Every rank runs the same calls on the same batch; the ranks of a
+tensor-parallel group compute on the same rows, each data-parallel rank on its own share of whole
+groups. The DP ranks start from the same weights and apply the same summed gradient, so they hold
+identical weights and optimizer state: exports and checkpoints come from DP rank 0 alone.
 """
 
 from __future__ import annotations
@@ -28,19 +32,23 @@ from streamrl.megatron.model import build_model, token_logprobs
 from streamrl.models.hf import default_device, load_policy
 from streamrl.trainer.torch_trainer import TorchTrainer
 
+_BUCKET_ELEMENTS = 1 << 25  # 32 Mi gradient elements (128 MiB in float32) per data-parallel all-reduce
+
 
 class MegatronTrainer(TorchTrainer):
     def __init__(self, model_dir: str | Path, *, trainer: TrainerSection, loss: LossConfig, group_size: int,
                  temperature: float = 1.0, version: int = 0, seed: int = 0, rank: int = 0, world_size: int = 1,
                  master_addr: str = "127.0.0.1", master_port: int | None = None):
         parallel.initialize(rank=rank, world_size=world_size, tensor_parallel=trainer.tensor_parallel,
-                            master_addr=master_addr, master_port=master_port, seed=seed,
-                            timeout_s=trainer.collective_timeout_s)
+                            data_parallel=trainer.data_parallel, master_addr=master_addr, master_port=master_port,
+                            seed=seed, timeout_s=trainer.collective_timeout_s)
         # The Hugging Face model stays as the mirror the weights are exported through (eval, save).
         self.mirror, self.tokenizer = load_policy(model_dir, train=False)
         self.model, self.layout = build_model(self.mirror.config)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp = parallel_state.get_data_parallel_world_size()
         shard = hf_to_megatron(self.mirror.state_dict(), self.layout, rank=self.tp_rank, tp=self.tp)
         missing, unexpected = self.model.load_state_dict(shard, strict=False)
         missing = [name for name in missing if not name.endswith("_extra_state")]
@@ -56,9 +64,64 @@ class MegatronTrainer(TorchTrainer):
     def _token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return token_logprobs(self.model, self.layout, input_ids, temperature=self.temperature)
 
+    def _shard(self, rows: np.ndarray) -> np.ndarray:
+        """Groups d, d + DP, d + 2·DP, ... of the mini-batch for DP rank d: whole groups (a mini-batch's
+        rows are whole groups back to back), the same split on every rank since every rank draws the
+        same shuffle from the same seed."""
+        if self.dp == 1:
+            return rows
+        return rows.reshape(-1, self.group_size)[self.dp_rank::self.dp].ravel()
+
+    def _reduce_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        """Each DP rank's metrics are already weighted by its tokens' share of the whole step (and its
+        loss divided by the whole mini-batch's tokens), so the step's are their sums; extremes are the
+        extremes over the ranks. Gathered as objects: a dozen floats, once per step."""
+        if self.dp == 1:
+            return totals
+        gathered: list[dict[str, float]] = [{} for _ in range(self.dp)]
+        dist.all_gather_object(gathered, totals, group=parallel_state.get_data_parallel_group())
+        reduced: dict[str, float] = {}
+        for rank_totals in gathered:  # a rank may lack a key (it had no tokens): a union, not a zip
+            for name, value in rank_totals.items():
+                if name not in reduced:
+                    reduced[name] = value
+                elif name.endswith("_max"):
+                    reduced[name] = max(reduced[name], value)
+                elif name.endswith("_min"):
+                    reduced[name] = min(reduced[name], value)
+                else:
+                    reduced[name] += value
+        return reduced
+
+    def _reduce_gradients(self) -> None:
+        """Sum the gradients over the DP group (each rank's loss is divided by the whole mini-batch's
+        tokens, so the sum is the one-rank gradient), flattened into buckets of at most
+        `_BUCKET_ELEMENTS`: a few large collectives instead of one per parameter, and at most one
+        bucket's extra memory. A parameter this rank's rows did not reach gets a zero gradient."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        group = parallel_state.get_data_parallel_group()
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for i, p in enumerate(params):
+            bucket.append(p.grad)
+            size += p.grad.numel()
+            if size >= _BUCKET_ELEMENTS or i == len(params) - 1:
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                dist.all_reduce(flat, group=group)
+                for grad, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+                    grad.copy_(part.view_as(grad))
+                bucket, size = [], 0
+
     def _clip_gradients(self) -> torch.Tensor:
-        """torch's `clip_grad_norm_` over the whole model: a sharded parameter's squares summed over the
-        TP group, a replicated one counted once."""
+        """torch's `clip_grad_norm_` over the whole model, after the gradients are summed over the DP
+        group: a sharded parameter's squares summed over the TP group, a replicated one counted once.
+        Every rank sees the same norm, so all take the step or all roll back; the non-finite flag is
+        all-reduced over every rank all the same, so that no rank can step alone."""
+        if self.dp > 1:
+            self._reduce_gradients()
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         counted = [p.grad for p in self.model.parameters()
                    if p.grad is not None and tensor_parallel.param_is_not_tensor_parallel_duplicate(p)]
@@ -66,15 +129,23 @@ class MegatronTrainer(TorchTrainer):
         if self.tp > 1:
             dist.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
         norm = squares.sqrt()
+        if self.tp * self.dp > 1:
+            bad = (~torch.isfinite(norm)).to(norm.dtype)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            if bad.item():
+                return torch.full_like(norm, float("nan"))
         scale = (self.config.grad_clip / (norm + 1e-6)).clamp(max=1.0)
         for grad in grads:
             grad.mul_(scale)
         return norm
 
     def hf_state(self) -> dict[str, torch.Tensor]:
-        """The whole model in Hugging Face names, in host memory, on TP rank 0 (the other ranks return
-        {}): a collective over the TP group, every rank calls it. Tensor by tensor, so no rank holds
-        more than one gathered tensor on its device at a time."""
+        """The whole model in Hugging Face names, in host memory, on global rank 0 (the other ranks
+        return {}): a collective over DP rank 0's TP group, every rank calls it (the other DP ranks hold
+        the same weights and return at once). Tensor by tensor, so no rank holds more than one
+        gathered tensor on its device at a time."""
+        if self.dp_rank != 0:
+            return {}
         local = {name: tensor.detach() for name, tensor in self.model.state_dict().items()
                  if isinstance(tensor, torch.Tensor)}
         if self.tp == 1:
@@ -110,8 +181,10 @@ class MegatronTrainer(TorchTrainer):
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)  # every rank writes its optimizer state here
+        directory.mkdir(parents=True, exist_ok=True)  # DP rank 0's TP ranks write their optimizer state here
         model = self.hf_model()  # collective: before any rank-0-only work
+        if self.dp_rank != 0:
+            return  # the same weights and optimizer state as DP rank 0's; on resume it reads that rank's files
         if self.tp_rank == 0:
             model.save_pretrained(directory / "model")
             self.tokenizer.save_pretrained(directory / "model")

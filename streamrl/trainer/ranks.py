@@ -1,12 +1,17 @@
-"""A tensor-parallel megatron trainer over Ray actors: rank 0 lives in the trainer actor, ranks 1..N−1
-in actors of their own, and every call runs on all of them at once (the collectives inside pair them).
+"""A tensor- and data-parallel megatron trainer over Ray actors: rank 0 lives in the trainer actor,
+ranks 1..N−1 (N = TP × DP; rank = DP rank × TP + TP rank) in actors of their own, and every call runs
+on all of them at once (the collectives inside pair them).
 
 ```
  trainer actor (rank 0) ── train(table) ──┬─ local MegatronTrainer.train(table)
-                                          └─ rank r actor: .run("train", table)   (r = 1..N−1, same table)
- weights / eval / checkpoint: the TP all-gather runs on every rank, rank 0 keeps the result
+                          (ray.put once)  └─ rank r actor: .run("train", table)   (r = 1..N−1, same table)
+ each rank trains on its DP rank's share of the table's groups; gradients are summed over DP
+ weights / eval / checkpoint: the gather over DP rank 0's TP group, rank 0 keeps the result
 ```
-Rank actors are created by the trainer actor, so they die with it (Ray's owner fate-sharing).
+Every rank gets the whole table and takes its share itself (`MegatronTrainer._shard`): the table is
+put in the object store once, is small next to the model, and the split then lives in one place, next
+to the mini-batch shuffle it depends on. Rank actors are created by the trainer actor, so they die
+with it (Ray's owner fate-sharing).
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ class RankGroup:
         self.local, self.remotes = local, remotes
 
     def _all(self, method: str, *args: Any, local_call=None) -> Any:
-        refs = [rank.run.remote(method, *args) for rank in self.remotes]
+        shared = [ray.put(arg) for arg in args] if len(self.remotes) > 1 else args  # one copy for all ranks
+        refs = [rank.run.remote(method, *shared) for rank in self.remotes]
         try:
             result = (local_call or getattr(self.local, method))(*args)
         except BaseException as local_error:

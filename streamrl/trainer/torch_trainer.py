@@ -104,7 +104,8 @@ class TorchTrainer:
         adv = broadcast_to_tokens(advantages(batch.rewards, self.group_size, self.config.advantage), mask)
         parts = self._minibatch_rows(len(lengths))
         # one optimizer step: p is θ in the same forward pass (see the module docstring)
-        proximal = None if len(parts) == 1 else self._proximal_logprobs(batch, lengths)
+        proximal = None if len(parts) == 1 else self._proximal_logprobs(
+            batch, lengths, np.sort(np.concatenate([self._shard(rows) for rows in parts])))
         saved = None if len(parts) == 1 else (_host_copy(self.model.state_dict()),  # host memory, not the GPU's
                                               _host_copy(self.optimizer.state_dict()))
         self.model.train()
@@ -121,6 +122,7 @@ class TorchTrainer:
                     self.optimizer.load_state_dict(saved[1])
                 raise
         self.version += 1
+        totals = self._reduce_metrics(totals)
         totals.update(grad_norm=float(np.mean(grad_norms)), response_tokens=tokens, trained_tokens=int(lengths.sum()),
                       samples=len(lengths), optimizer_steps=len(parts), train_s=time.perf_counter() - start)
         return totals
@@ -135,11 +137,22 @@ class TorchTrainer:
         return [(part[:, None] * self.group_size + np.arange(self.group_size)).ravel()
                 for part in np.array_split(order, count)]
 
+    def _reduce_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        """The loss metrics of the whole step from this rank's (the identity on a single rank)."""
+        return totals
+
+    def _shard(self, rows: np.ndarray) -> np.ndarray:
+        """The rows of a mini-batch this rank trains on: all of them here; a data-parallel trainer
+        takes its share of the whole groups."""
+        return rows
+
     @torch.no_grad()
-    def _proximal_logprobs(self, batch, lengths: np.ndarray) -> torch.Tensor:
-        """p for every row: the weights at the start of the step, before any mini-batch moved them."""
+    def _proximal_logprobs(self, batch, lengths: np.ndarray, mine: np.ndarray) -> torch.Tensor:
+        """p for the rows `mine` (the others stay 0): the weights at the start of the step, before any
+        mini-batch moved them."""
         proximal = torch.zeros_like(batch.behavior_logprobs[:, 1:])
-        for rows in micro_batches(lengths, self.config.micro_batch_tokens):
+        for local in micro_batches(lengths[mine], self.config.micro_batch_tokens):
+            rows = mine[local]
             width = int(lengths[rows].max())
             rows_t = torch.from_numpy(rows)
             proximal[rows_t, :width - 1] = self._token_logprobs(batch.input_ids[rows_t, :width],
@@ -148,16 +161,19 @@ class TorchTrainer:
 
     def _optimizer_step(self, batch, rows: np.ndarray, lengths: np.ndarray, mask: torch.Tensor, adv: torch.Tensor,
                         proximal: torch.Tensor | None, totals: dict[str, float], *, step_tokens: int) -> float:
-        """Accumulate the gradient of `rows` over micro-batches, clip, step; metrics into `totals`
-        weighted by the mini-batch's share of the step's tokens. Returns the gradient norm."""
+        """Accumulate the gradient of `rows` (this rank's share of them) over micro-batches, clip, step;
+        metrics into `totals` weighted by the mini-batch's share of the step's tokens. The loss is
+        normalised by the whole mini-batch's tokens (or rows), so that data-parallel ranks' gradients sum
+        to the one-rank gradient. Returns the gradient norm."""
         behavior, versions = batch.behavior_logprobs[:, 1:], batch.versions[:, 1:]
         tokens = int(mask[torch.from_numpy(rows)].sum())
         share = tokens / max(step_tokens, 1)
         denominator = float(max(tokens, 1)) if self.loss_fn.keywords["aggregation"] == "token_mean" \
             else float(len(rows))
         self.optimizer.zero_grad(set_to_none=True)
-        for local in micro_batches(lengths[rows], self.config.micro_batch_tokens):
-            part = rows[local]
+        mine = self._shard(rows)
+        for local in micro_batches(lengths[mine], self.config.micro_batch_tokens):
+            part = mine[local]
             width = int(lengths[part].max())
             rows_t = torch.from_numpy(part)
             theta = self._token_logprobs(batch.input_ids[rows_t, :width], batch.attention_mask[rows_t, :width])
