@@ -194,3 +194,34 @@ def test_a_driver_killed_while_writing_a_checkpoint_resumes_from_the_previous_on
     assert summary["steps"] == 4
     assert not list(run_dir.checkpoints.glob(".step_*"))
     assert_nothing_lost_or_repeated(run_dir, 4)
+
+
+def test_ctrl_c_on_a_run_that_started_its_own_ray_stops_it_and_leaves_no_process(tmp_path):
+    """The default path: no --address, so the launcher's Ray (GCS, raylet, workers) is in the terminal's
+    process group and gets the Ctrl-C too; the run still stops with a checkpoint and Ray goes with it."""
+    items = tiny(tmp_path, "own-ray", "run.steps=100000", "run.checkpoint_every=2")
+    proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", "launch",
+                             *[arg for item in items for arg in ("--set", item)]], start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "own-ray" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(proc.communicate()[0][-3000:])
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output[-3000:]
+    run_dir = RunDir.open(tmp_path / "own-ray")
+    assert json.loads((run_dir.path / "summary.json").read_text())["stopped_by"] == "interrupted"
+    assert_consistent_final_checkpoint(run_dir)
+    deadline = time.time() + 10
+    while time.time() < deadline:  # Ray's processes exit a moment after the launcher
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
