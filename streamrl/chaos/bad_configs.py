@@ -264,6 +264,10 @@ class ConfigSpecs:
             (["queue.max_staleness=0", f"queue.groups_per_step={n + 1}", f"queue.max_in_flight={n}"],
              "max_in_flight", "a synchronous step that can never fill"),
             (["loss.lo=1.0", "loss.hi=1.0"], "lo=", "masked-IS bounds lo = hi"),
+            ([f"trainer.data_parallel={n + 1}", "trainer.backend=\"torch\""], "trainer.data_parallel",
+             "data parallelism with the torch backend"),
+            (["trainer.backend=\"megatron\"", "trainer.data_parallel=2", f"queue.groups_per_step={2 * n + 1}"],
+             "trainer.data_parallel", "groups per step that do not split over the data-parallel ranks"),
         ]
         overrides, name, what = pick(rng, cases)
         return ConfigSpec(f"contradiction: {what}", (name,), text=self.text.encode(), overrides=tuple(overrides))
