@@ -134,6 +134,14 @@ class SglangSection(_Section):
     """The command before the server flags; None: `python -m sglang.launch_server`."""
     extra_args: list[str] = []
     startup_timeout_s: float = Field(600.0, gt=0)
+    weights: Literal["disk", "distributed"] = "disk"
+    """How a producer puts new weights into its servers: "disk" writes safetensors and calls
+    /update_weights_from_disk; "distributed" broadcasts them from the producer over one process group
+    per server (/init_weights_update_group, /update_weights_from_distributed; NCCL on GPUs, gloo on CPU)."""
+    bucket_mb: int = Field(512, ge=1)
+    """"distributed": tensors broadcast per /update_weights_from_distributed call, in MiB (a larger one alone)."""
+    weights_timeout_s: float = Field(300.0, gt=0)
+    """"distributed": longest wait to form a group or move one bucket (a dead server cannot hang the producer)."""
 
 
 class ProducerSection(_Section):

@@ -6,6 +6,10 @@ so the client's protocol can be tested without a GPU. Run as a script:
 
 Requests queue while generation is paused; `pause_generation` with mode "abort" ends the running
 requests with finish reason abort and the tokens made so far. `GET /fake/calls` lists the calls in order.
+`/init_weights_update_group` joins the sender's process group (as sglang: a TCPStore at the master
+address, a `PrefixStore` named after the group; gloo here) and `/update_weights_from_distributed`
+receives each announced tensor by broadcast from rank 0; `GET /fake/weights_digest` is a sha256 over
+the received names and bytes (`weights_digest`). torch is imported only when those are used.
 With `--api-key`, as sglang: every path but `/health*` needs `Authorization: Bearer KEY`, else 401
 `{"error": "Unauthorized"}` (the refused request is not recorded).
 """
@@ -48,6 +52,8 @@ class State:
         self.running: dict[str, bool] = {}  # rid -> abort requested
         self.calls: list[dict] = []
         self.next_rid = 0
+        self.groups: dict = {}  # group name -> torch process group (weights by broadcast)
+        self.weights: dict = {}  # name -> tensor received by broadcast
 
 
 def generate(state: State, body: dict) -> dict:
@@ -91,9 +97,60 @@ def generate(state: State, body: dict) -> dict:
         "output_token_logprobs": logprobs, "weight_version": version}}
 
 
+def weights_digest(named_bytes) -> str:
+    """sha256 over (name, raw bytes) pairs in name order: what the sender and the server compare."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, data in sorted(named_bytes):
+        digest.update(name.encode() + b"\0" + data)
+    return digest.hexdigest()
+
+
+def init_weights_update_group(state: State, body: dict) -> dict:
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    rank, world, name = int(body["rank_offset"]), int(body["world_size"]), str(body["group_name"])
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore(body["master_address"], int(body["master_port"]), world, False, timeout=timeout)
+    group, _ = c10d._new_process_group_helper(world, rank, [], body.get("backend", "nccl"),
+                                              dist.PrefixStore(name, store), group_name=name, timeout=timeout)
+    c10d._world.pg_group_ranks[group] = {r: r for r in range(world)}
+    with state.cond:
+        state.groups[name] = group
+    return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+
+def update_weights_from_distributed(state: State, body: dict) -> tuple[int, dict]:
+    import torch
+    import torch.distributed as dist
+
+    with state.cond:
+        group = state.groups.get(body.get("group_name"))
+    if group is None:
+        return 400, {"success": False, "message": f"no update group {body.get('group_name')!r}"}
+    time.sleep(state.update_delay_s)  # loading takes time; the sender's broadcast waits for it
+    tensors = [torch.empty(shape, dtype=getattr(torch, dtype))
+               for dtype, shape in zip(body["dtypes"], body["shapes"], strict=True)]
+    for work in [dist.broadcast(t, group_src=0, group=group, async_op=True) for t in tensors]:
+        work.wait()
+    with state.cond:
+        state.weights.update(zip(body["names"], tensors, strict=True))
+        if body.get("weight_version") is not None:
+            state.weight_version = str(body["weight_version"])
+    return 200, {"success": True, "message": "Succeeded to update parameter online."}
+
+
 def handle(state: State, path: str, body: dict) -> tuple[int, dict]:
     if path == "/generate":
         return 200, generate(state, body)
+    if path == "/init_weights_update_group":
+        return 200, init_weights_update_group(state, body)  # blocks until every rank has joined
+    if path == "/update_weights_from_distributed":
+        return update_weights_from_distributed(state, body)
     with state.cond:
         if path == "/pause_generation":
             state.paused = True
@@ -122,7 +179,7 @@ def handle(state: State, path: str, body: dict) -> tuple[int, dict]:
         if path in ("/release_memory_occupation", "/resume_memory_occupation"):
             state.released = path == "/release_memory_occupation"
             return 200, {"success": True}
-        if path in ("/init_weights_update_group", "/update_weights_from_distributed", "/update_weights_from_tensor"):
+        if path == "/update_weights_from_tensor":
             return 200, {"success": True, "message": "recorded (the fake server moves no tensors)"}
     if path == "/update_weights_from_disk":
         time.sleep(state.update_delay_s)  # loading takes time; other servers keep generating meanwhile
@@ -168,6 +225,10 @@ def serve(args) -> None:
                 return self._reply(200, {})
             if self.path == "/get_weight_version":
                 return self._reply(200, {"weight_version": state.weight_version})
+            if self.path == "/fake/weights_digest":
+                with state.cond:
+                    received = [(n, t.numpy().tobytes()) for n, t in state.weights.items()]  # CPU tensors
+                return self._reply(200, {"digest": weights_digest(received), "names": sorted(state.weights)})
             if self.path == "/fake/calls":
                 with state.cond:
                     return self._reply(200, {"calls": list(state.calls)})
@@ -184,7 +245,7 @@ def serve(args) -> None:
                         log.write(f"{args.port} {self.path}\n")
             try:
                 status, payload = handle(state, self.path, body)
-            except (ValueError, KeyError) as exc:
+            except (ValueError, KeyError, RuntimeError) as exc:  # RuntimeError: torch.distributed's
                 status, payload = 400, {"error": {"message": str(exc)}}
             self._reply(status, payload)
 

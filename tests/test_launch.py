@@ -106,17 +106,26 @@ def test_the_megatron_trainer_runs_a_launch_and_resumes_from_its_own_checkpoint(
     assert optimizer_files == (["optimizer.pt"] if tp == 1 else ["optimizer.tp0.pt", "optimizer.tp1.pt"])
 
 
-def test_sglang_producers_run_a_launch_through_stand_in_servers(ray_local, tmp_path):
-    fake = os.path.join(os.path.dirname(__file__), "fake_sglang.py")
-    launcher = json.dumps([sys.executable, fake, "--token-delay-s", "0.001", "--update-delay-s", "0.01"])
+@pytest.mark.parametrize("weights", ["disk", "distributed"])
+def test_sglang_producers_run_a_launch_through_stand_in_servers(ray_local, tmp_path, weights):
+    fake, log = os.path.join(os.path.dirname(__file__), "fake_sglang.py"), tmp_path / "calls.log"
+    launcher = json.dumps([sys.executable, fake, "--token-delay-s", "0.001", "--update-delay-s", "0.01",
+                           "--calls-log", str(log)])
     summary, run_dir = run_tiny(tmp_path, "sgl", "run.steps=4", "producers.engine=sglang", "producers.count=1",
                                 f"producers.sglang.launcher={launcher}", "producers.sglang.servers=2",
-                                "producers.sglang.base_port=31700", "queue.max_staleness=1")
+                                "producers.sglang.base_port=31700", "queue.max_staleness=1",
+                                f"producers.sglang.weights={weights}")
     metrics = run_dir.read("metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4] and all(m["staleness_max"] <= 1 for m in metrics)
     (producer,) = summary["producers"]
     assert producer["weight_updates"] >= 3 and producer["groups"] >= 16
-    assert len(list((run_dir.path / "sglang").glob("weights-producer-0/v*"))) <= 2  # pruned as it went
+    written = list((run_dir.path / "sglang").glob("weights-producer-0/v*"))
+    loads = [line.split()[1] for line in log.read_text().splitlines() if "weights_from" in line]
+    if weights == "disk":
+        assert len(written) <= 2 and set(loads) == {"/update_weights_from_disk"}  # pruned as it went
+    else:  # broadcast: nothing on disk, one group per server
+        assert not written and set(loads) == {"/update_weights_from_distributed"}
+        assert log.read_text().count("/init_weights_update_group") == 2
     with pytest.raises(OSError):  # the servers stopped with their producer
         socket.create_connection(("127.0.0.1", 31700), timeout=1)
 

@@ -301,3 +301,125 @@ def test_a_server_whose_guard_is_killed_outright_ends_too(server):
     while time.monotonic() < deadline and running_in_group(server.process.pid):
         time.sleep(0.1)
     assert not running_in_group(server.process.pid)
+
+
+# ---- weights by broadcast over one torch.distributed group per server (gloo here) ------------------------
+
+def mixed_weights(version: int) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(version)
+    return {"embed.weight": rng.standard_normal((64, 32)).astype(np.float32),  # 8 KiB: a bucket of its own
+            "layer.0.bias": rng.standard_normal(32).astype(np.float16),
+            "layer.0.weight": rng.standard_normal((32, 16)).astype(np.float32),
+            "steps": np.array([version], np.int64),
+            "head.weight": rng.standard_normal((16, 8, 2)).astype(np.float32)}
+
+
+def arrays_digest(arrays: dict) -> str:
+    import numpy as np
+
+    return fake.weights_digest([(n, np.ascontiguousarray(a).tobytes()) for n, a in arrays.items()])
+
+
+def server_digest(server: ServerProcess) -> str:
+    return SglangClient(server.url).call("/fake/weights_digest", method="GET")["digest"]
+
+
+def test_weights_broadcast_to_each_server_through_its_own_group_arrive_exactly():
+    from streamrl.weights.broadcast import UpdateGroups, distributed_loader, plan_buckets
+
+    servers = [start_fake("--update-delay-s", "0.0") for _ in range(2)]
+    groups = UpdateGroups(timeout_s=30)
+    try:
+        pool = EnginePool([SglangEngine(SglangClient(s.url), server=s) for s in servers])
+        for version in (1, 2):
+            arrays = mixed_weights(version)
+            assert len(plan_buckets(arrays, 2560)) == 3  # the big tensor alone, the rest in two
+            pool.update_weights(version, distributed_loader(groups, arrays, bucket_bytes=2560))
+            assert [server_digest(s) for s in servers] == [arrays_digest(arrays)] * 2
+            assert [e.version for e in pool.engines] == [version, version]
+            assert {tuple(e.sample([1], max_new_tokens=3).versions) for e in pool.engines} == {(version,) * 3}
+        assert groups.opened == 2  # one group per server, kept across versions
+        inits = [c["body"] for s in servers for c in calls(s) if c["path"] == "/init_weights_update_group"]
+        assert len(inits) == 2 and inits[0]["group_name"] != inits[1]["group_name"]
+        assert all(i["rank_offset"] == 1 and i["world_size"] == 2 and i["backend"] == "gloo"
+                   and i["master_address"] == "127.0.0.1" for i in inits)
+        bucket = [c["body"] for c in calls(servers[0]) if c["path"] == "/update_weights_from_distributed"][1]
+        assert bucket["names"] == ["layer.0.bias", "layer.0.weight", "steps"]
+        assert bucket["dtypes"] == ["float16", "float32", "int64"] and bucket["shapes"] == [[32], [32, 16], [1]]
+    finally:
+        groups.close()
+        for s in servers:
+            s.stop()
+
+
+def test_a_slow_broadcast_into_one_engine_never_holds_up_another():
+    from streamrl.weights.broadcast import UpdateGroups, distributed_loader
+
+    servers = [start_fake("--token-delay-s", "0.002", "--update-delay-s", "1.0") for _ in range(2)]
+    groups = UpdateGroups(timeout_s=30)
+    try:
+        pool = EnginePool([SglangEngine(SglangClient(s.url)) for s in servers])
+        busy, done, stop = pool.engines[1], [], threading.Event()
+
+        def generate():
+            while not stop.is_set():
+                busy.sample([1], max_new_tokens=5)
+                done.append(time.monotonic())
+
+        worker = threading.Thread(target=generate)
+        worker.start()
+        time.sleep(0.2)
+        began = time.monotonic()
+        paused = pool.engines[0].update_weights(3, distributed_loader(groups, mixed_weights(3), 1 << 20))
+        ended = time.monotonic()
+        stop.set()
+        worker.join(timeout=30)
+        assert paused >= 1.0  # engine 0 was receiving for a second ...
+        assert sum(began < t < ended for t in done) >= 10  # ... while engine 1 went on generating
+        assert pool.engines[0].version == 3 and pool.engines[1].version == 0
+        assert server_digest(servers[0]) == arrays_digest(mixed_weights(3))
+    finally:
+        groups.close()
+        for s in servers:
+            s.stop()
+
+
+def test_a_restarted_server_gets_a_new_group_and_then_the_next_version(server):
+    from streamrl.weights.broadcast import UpdateGroups, distributed_loader
+
+    groups = UpdateGroups(timeout_s=30, generation=lambda client: server.restarts)
+    engine = SglangEngine(SglangClient(server.url), server=server)
+    try:
+        engine.update_weights(1, distributed_loader(groups, mixed_weights(1), 2560))
+        os.killpg(os.getpgid(server.process.pid), signal.SIGKILL)
+        server.process.wait()
+        # the update finds the server dead, restarts it, reloads version 1 into it through a new group, then 2
+        engine.update_weights(2, distributed_loader(groups, mixed_weights(2), 2560))
+        assert server.restarts == 1 and groups.opened == 2 and engine.version == 2
+        assert server_digest(server) == arrays_digest(mixed_weights(2))
+        assert set(engine.sample([1], max_new_tokens=3).versions) == {2}
+        sequence = [c["path"] for c in calls(server) if "weight" in c["path"]]
+        assert sequence == ["/init_weights_update_group"] + ["/update_weights_from_distributed"] * 3 + [
+            "/update_weight_version"] + ["/update_weights_from_distributed"] * 3 + ["/update_weight_version"]
+    finally:
+        groups.close()
+
+
+def test_a_server_that_refuses_a_bucket_raises_at_once_and_the_next_load_opens_a_new_group(server):
+    from streamrl.weights.broadcast import UpdateGroups, distributed_loader
+
+    groups = UpdateGroups(timeout_s=30)  # told nothing of restarts: it finds out from the refusal
+    client = SglangClient(server.url)
+    try:
+        distributed_loader(groups, mixed_weights(1), 2560)(client)
+        server.restart()  # a new process, outside the old group
+        began = time.monotonic()
+        with pytest.raises(SglangError, match="no update group"):
+            distributed_loader(groups, mixed_weights(2), 2560)(client)
+        assert time.monotonic() - began < 10  # not the group's 30 s timeout
+        distributed_loader(groups, mixed_weights(2), 2560)(client)  # a failed load dropped the group
+        assert groups.opened == 2 and server_digest(server) == arrays_digest(mixed_weights(2))
+    finally:
+        groups.close()

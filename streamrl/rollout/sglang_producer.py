@@ -6,8 +6,10 @@ producer's engines, weights rolled through the engines one at a time as the trai
               each ticket: G samples ─► the least busy engine (threads; HTTP calls run concurrently)
               a group's G samples done ─► rewards ─► Arrow batch ─► commit
                  └─ a server died under it (EngineLost) ─► abandon the ticket: its prompt comes back
- weights:     fetch newer (long poll) ─► write safetensors + config ─► engine by engine: pause,
-              update_weights_from_disk, update_weight_version, continue  (the others keep generating)
+ weights:     fetch newer (long poll) ─► engine by engine: pause, load, update_weight_version, continue
+              (the others keep generating); load = "disk": write safetensors + config once,
+              update_weights_from_disk; "distributed": broadcast bucket by bucket over that server's
+              update group (`streamrl.weights.broadcast`)
  stop:        running groups abandoned, finished ones committed
 ```
 Every token carries the version of the weights that generated it (see `streamrl.engine.sglang.engine`).
@@ -30,6 +32,7 @@ from streamrl.engine.generation import Generation
 from streamrl.engine.sglang.engine import EngineLost, EnginePool, Sample
 from streamrl.rollout.producer import QueueClient, pack_groups
 from streamrl.tasks import Task
+from streamrl.weights.broadcast import UpdateGroups, distributed_loader
 from streamrl.weights.receiver import Fetch
 
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -67,14 +70,16 @@ def disk_loader(path: str):
 class SglangProducer:
     def __init__(self, producer_id: int, *, queue: QueueClient, pool: EnginePool, task: Task, group_size: int,
                  max_groups: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 fetch: Fetch | None = None, disk: DiskWeights | None = None, weight_poll_s: float = 1.0,
-                 admit_timeout: float = 0.2):
-        if (fetch is None) != (disk is None):
-            raise ValueError("weights need both a fetch function and a directory to write them to")
+                 fetch: Fetch | None = None, disk: DiskWeights | None = None, groups: UpdateGroups | None = None,
+                 bucket_bytes: int = 512 << 20, weight_poll_s: float = 1.0, admit_timeout: float = 0.2):
+        """Weights, with `fetch`, go in by disk (`disk`) or by broadcast (`groups`, `bucket_bytes` a bucket)."""
+        if (disk is not None) + (groups is not None) != (0 if fetch is None else 1):
+            raise ValueError("weights need a fetch function and one way in: a directory (disk) or update groups")
         self.producer_id, self.queue, self.pool, self.task = producer_id, queue, pool, task
         self.group_size, self.max_groups, self.max_new_tokens = group_size, max_groups, max_new_tokens
         self.sampling = {"temperature": temperature, "top_p": top_p, "stop_token_ids": list(task.stop_token_ids)}
         self.fetch, self.disk, self.weight_poll_s, self.admit_timeout = fetch, disk, weight_poll_s, admit_timeout
+        self.groups, self.bucket_bytes = groups, bucket_bytes
         self._samples = ThreadPoolExecutor(max_workers=max_groups * group_size, thread_name_prefix="sample")
         self._weights_error: BaseException | None = None
         self.stats: dict[str, Any] = {"groups": 0, "samples": 0, "generated_tokens": 0, "lost_groups": 0,
@@ -156,7 +161,8 @@ class SglangProducer:
         self.stats["generated_tokens"] += int(sum(lengths))
 
     def _follow_weights(self, stop: threading.Event) -> None:
-        """Newest weights to disk, then into each engine in turn (rolling: one engine paused at a time)."""
+        """Newest weights into each engine in turn (rolling: one engine paused at a time). The loader
+        is kept by each engine to reload a restarted server: the distributed one opens a new group for it."""
         have: int | None = None
         try:
             while not stop.is_set():
@@ -164,7 +170,11 @@ class SglangProducer:
                 if got is None:
                     continue
                 version, arrays = got
-                pauses = self.pool.update_weights(version, disk_loader(str(self.disk.write(version, arrays))))
+                if self.groups is not None:
+                    load = distributed_loader(self.groups, arrays, self.bucket_bytes)
+                else:
+                    load = disk_loader(str(self.disk.write(version, arrays)))
+                pauses = self.pool.update_weights(version, load)
                 have = version
                 self.stats["weight_updates"] += 1
                 self.stats["update_pause_s"] += sum(pauses)

@@ -108,20 +108,23 @@ class SglangClient:
         self.call("/update_weights_from_disk", payload)
 
     def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
-                                  world_size: int, group_name: str, backend: str = "nccl") -> None:
+                                  world_size: int, group_name: str, backend: str = "nccl",
+                                  timeout_s: float | None = None) -> None:
+        """The server's ranks join a process group with the caller (who must join too, concurrently)."""
         self.call("/init_weights_update_group", {"master_address": master_address, "master_port": master_port,
                                                  "rank_offset": rank_offset, "world_size": world_size,
-                                                 "group_name": group_name, "backend": backend})
+                                                 "group_name": group_name, "backend": backend}, timeout_s=timeout_s)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
                                         group_name: str, version: int | str | None = None,
-                                        flush_cache: bool = False) -> None:
-        """Announce one bucket the trainer's first rank is about to broadcast over the update group."""
+                                        flush_cache: bool = False, timeout_s: float | None = None) -> None:
+        """Announce one bucket the group's rank 0 broadcasts (each tensor, in this order); it answers
+        once the server has received and loaded them."""
         payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                                    "flush_cache": flush_cache}
         if version is not None:
             payload["weight_version"] = str(version)
-        self.call("/update_weights_from_distributed", payload)
+        self.call("/update_weights_from_distributed", payload, timeout_s=timeout_s)
 
     def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None = None,
                                    version: int | str | None = None, flush_cache: bool = True) -> None:
