@@ -106,8 +106,14 @@ def test_a_weight_update_mid_sample_continues_it_and_stamps_every_token_exactly(
     assert generates[1]["sampling_params"]["max_new_tokens"] == 150 - switch
 
 
-def test_updating_one_engine_never_holds_up_another(weights_dir):
+@pytest.mark.parametrize("path", ["disk", "distributed"])
+def test_updating_one_engine_never_holds_up_another(weights_dir, path):
+    from streamrl.weights.broadcast import UpdateGroups, distributed_loader
+
     servers = [start_fake("--token-delay-s", "0.002", "--update-delay-s", "1.0") for _ in range(2)]
+    groups = UpdateGroups(timeout_s=30)
+    loader = (disk_loader(str(weights_dir)) if path == "disk" else
+              distributed_loader(groups, mixed_weights(3), 1 << 20))  # a slow broadcast into engine 0
     try:
         pool = EnginePool([SglangEngine(SglangClient(s.url)) for s in servers])
         busy, done, stop = pool.engines[1], [], threading.Event()
@@ -121,14 +127,17 @@ def test_updating_one_engine_never_holds_up_another(weights_dir):
         worker.start()
         time.sleep(0.2)
         began = time.monotonic()
-        paused = pool.engines[0].update_weights(3, disk_loader(str(weights_dir)))
+        paused = pool.engines[0].update_weights(3, loader)
         ended = time.monotonic()
         stop.set()
         worker.join(timeout=30)
         assert paused >= 1.0  # engine 0 was loading for a second ...
         assert sum(began < t < ended for t in done) >= 10  # ... while engine 1 went on generating
         assert pool.engines[0].version == 3 and pool.engines[1].version == 0 and pool.version == 0
+        if path == "distributed":
+            assert server_digest(servers[0]) == arrays_digest(mixed_weights(3))
     finally:
+        groups.close()
         for s in servers:
             s.stop()
 
@@ -348,38 +357,6 @@ def test_weights_broadcast_to_each_server_through_its_own_group_arrive_exactly()
         bucket = [c["body"] for c in calls(servers[0]) if c["path"] == "/update_weights_from_distributed"][1]
         assert bucket["names"] == ["layer.0.bias", "layer.0.weight", "steps"]
         assert bucket["dtypes"] == ["float16", "float32", "int64"] and bucket["shapes"] == [[32], [32, 16], [1]]
-    finally:
-        groups.close()
-        for s in servers:
-            s.stop()
-
-
-def test_a_slow_broadcast_into_one_engine_never_holds_up_another():
-    from streamrl.weights.broadcast import UpdateGroups, distributed_loader
-
-    servers = [start_fake("--token-delay-s", "0.002", "--update-delay-s", "1.0") for _ in range(2)]
-    groups = UpdateGroups(timeout_s=30)
-    try:
-        pool = EnginePool([SglangEngine(SglangClient(s.url)) for s in servers])
-        busy, done, stop = pool.engines[1], [], threading.Event()
-
-        def generate():
-            while not stop.is_set():
-                busy.sample([1], max_new_tokens=5)
-                done.append(time.monotonic())
-
-        worker = threading.Thread(target=generate)
-        worker.start()
-        time.sleep(0.2)
-        began = time.monotonic()
-        paused = pool.engines[0].update_weights(3, distributed_loader(groups, mixed_weights(3), 1 << 20))
-        ended = time.monotonic()
-        stop.set()
-        worker.join(timeout=30)
-        assert paused >= 1.0  # engine 0 was receiving for a second ...
-        assert sum(began < t < ended for t in done) >= 10  # ... while engine 1 went on generating
-        assert pool.engines[0].version == 3 and pool.engines[1].version == 0
-        assert server_digest(servers[0]) == arrays_digest(mixed_weights(3))
     finally:
         groups.close()
         for s in servers:

@@ -270,22 +270,22 @@ def m_ticket_unknown(s, rng):
     return _relabel(s.good, rows, group_id=value), {"group_id"}, "unknown", f"group id {value} never issued"
 
 
+def _on_ticket(s, rng, ticket, column: str, problem: str, what: str):
+    """A group relabelled onto `ticket` (its prompt too), which the queue must refuse."""
+    bad = _relabel(s.good, _group_rows(rng, s.good), group_id=ticket.ticket_id, prompt_id=ticket.prompt_id)
+    return bad, {column}, problem, what
+
+
 def m_ticket_expired(s, rng):
-    rows = _group_rows(rng, s.good)
-    bad = _relabel(s.good, rows, group_id=s.abandoned.ticket_id, prompt_id=s.abandoned.prompt_id)
-    return bad, {"group_id"}, "expired", "a group on an abandoned ticket"
+    return _on_ticket(s, rng, s.abandoned, "group_id", "expired", "a group on an abandoned ticket")
 
 
 def m_ticket_committed(s, rng):
-    rows = _group_rows(rng, s.good)
-    bad = _relabel(s.good, rows, group_id=s.committed.ticket_id, prompt_id=s.committed.prompt_id)
-    return bad, {"group_id"}, "already committed", "a group on a committed ticket"
+    return _on_ticket(s, rng, s.committed, "group_id", "already committed", "a group on a committed ticket")
 
 
 def m_ticket_foreign(s, rng):
-    rows = _group_rows(rng, s.good)
-    bad = _relabel(s.good, rows, group_id=s.foreign.ticket_id, prompt_id=s.foreign.prompt_id)
-    return bad, {"producer_id"}, "producer", "a group on another producer's ticket"
+    return _on_ticket(s, rng, s.foreign, "producer_id", "producer", "a group on another producer's ticket")
 
 
 def m_ticket_prompt(s, rng):
