@@ -26,6 +26,8 @@ from rich.table import Table
 from streamrl.benchreport import BASELINES, Target, finish
 from streamrl.chaos.faults import run_campaign
 from streamrl.chaos.fuzz import run_bad_input_campaign
+from streamrl.chaos.soak import FULL as SOAK_FULL
+from streamrl.chaos.soak import QUICK as SOAK_QUICK
 from streamrl.chaos.soak import run_soak
 from streamrl.runtime.connect import start_local
 
@@ -70,12 +72,13 @@ def print_summary(results: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the 10-minute campaign")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/chaos.json"))
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/chaos[_quick].json")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline", type=Path, help="report to compare with (default: the stored baseline)")
     args = parser.parse_args()
     bad_inputs = 1_200 if args.quick else 12_000
-    soak_knobs = dict(producers=8, duration_s=30.0) if args.quick else dict(producers=16, duration_s=120.0)
+    soak_knobs = dict(SOAK_QUICK if args.quick else SOAK_FULL)
+    out = args.out or Path(f"benchmarks/results/chaos{'_quick' if args.quick else ''}.json")
 
     started = time.perf_counter()
     start_local(2, logging_level="WARNING")
@@ -103,8 +106,8 @@ def main() -> None:
     print(f"wall {results['wall_s']:.0f} s")
     workload = {"quick": args.quick, "bad_inputs": bad_inputs, "soak": soak_knobs, "seed": args.seed,
                 "fault_run": "2-layer model, 2-digit reversal, 2 producers, checkpoint every 2 steps"}
-    finish("chaos", args.out, workload=workload, results=results, targets=TARGETS, headline=HEADLINE,
-           baseline=args.baseline or BASELINES / f"baseline_{args.out.stem}.json")
+    finish("chaos", out, workload=workload, results=results, targets=TARGETS, headline=HEADLINE,
+           baseline=args.baseline or BASELINES / f"baseline_{out.stem}.json")
 
 
 if __name__ == "__main__":

@@ -20,11 +20,9 @@ from rich.console import Console
 from rich.table import Table
 
 from streamrl.benchreport import BASELINES, Target, finish
-from streamrl.chaos.soak import run_soak
+from streamrl.chaos.soak import FULL, QUICK, run_soak
 from streamrl.runtime.connect import start_local
 
-QUICK = {"producers": 8, "duration_s": 30.0}
-FULL = {"producers": 16, "duration_s": 120.0}
 TARGETS = [Target("accounting.lost", "<=", 0), Target("accounting.duplicated_consumed", "<=", 0),
            Target("memory.private_growth_mb", "<=", 50.0), Target("object_store.peak_over_bound", "<=", 1.0),
            Target("object_store.after_drain_over_bound", "<=", 1.0)]

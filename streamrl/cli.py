@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -63,7 +62,6 @@ def launch(args: argparse.Namespace) -> int:
         config, run_dir, checkpoint = prepare(args.config, overrides, resume=args.resume)
     except (ConfigError, RunDirError) as exc:
         raise CliError(str(exc)) from exc
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # and again once Ray is up (see run_launch)
     try:
         summary = run_launch(config, run_dir, checkpoint, sigterm_stops=True)
     except (ConfigError, RunDirError) as exc:  # found once Ray is up (e.g. too few CPUs)
@@ -72,7 +70,7 @@ def launch(args: argparse.Namespace) -> int:
         print(f"streamrl: run failed: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # during start-up, or a second Ctrl-C while stopping
-        kept = run_dir.latest_checkpoint().name if (run_dir.checkpoints / "latest").is_file() else None
+        kept = run_dir.latest_checkpoint_name()
         print("streamrl: interrupted; " + (f"the last complete checkpoint is {kept} (resume with --resume "
                                             f"{run_dir.path})" if kept else "nothing was trained"), file=sys.stderr)
         return 130

@@ -1,13 +1,7 @@
 """Tiny launch settings shared by the end-to-end tests (a 2-layer model, 2-digit reversal)."""
 
-import json
-
-from streamrl.chaos.faults import TINY
+from streamrl.chaos.faults import tiny_settings as tiny
 from streamrl.runtime.launch import launch, prepare
-
-
-def tiny(tmp_path, name, *extra):
-    return [*TINY, f"run.output_dir={json.dumps(str(tmp_path))}", f"run.name={name}", *extra]
 
 
 def run_tiny(tmp_path, name, *extra, stop=None):

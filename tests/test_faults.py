@@ -4,8 +4,6 @@ what it can, stops cleanly with a resumable checkpoint when it cannot, and loses
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -16,6 +14,7 @@ from launching import resume_tiny, run_tiny, tiny
 from streamrl import failpoints
 from streamrl.buffer.checkpoint import load_queue
 from streamrl.chaos.audit import audit_run
+from streamrl.chaos.faults import launch_process
 from streamrl.runtime.launch import RunFailed
 from streamrl.runtime.rundir import RunDir
 
@@ -102,12 +101,8 @@ def test_a_killed_queue_stops_the_run_quickly_with_a_resumable_checkpoint(ray_lo
 
 
 def launch_subprocess(tmp_path, name, *extra, env=None):
-    address = ray.get_runtime_context().gcs_address
     items = tiny(tmp_path, name, "run.steps=100000", "run.checkpoint_every=2", "producers.count=2", *extra)
-    command = [sys.executable, "-m", "streamrl.cli", "launch", "--address", address,
-               *[arg for item in items for arg in ("--set", item)]]
-    return subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, **(env or {})})
+    return launch_process(items, address=ray.get_runtime_context().gcs_address, env=env)
 
 
 def wait_for_fail_point(proc, directory, name, timeout=90):
@@ -199,10 +194,7 @@ def test_a_driver_killed_while_writing_a_checkpoint_resumes_from_the_previous_on
 def test_ctrl_c_on_a_run_that_started_its_own_ray_stops_it_and_leaves_no_process(tmp_path):
     """The default path: no --address, so the launcher's Ray (GCS, raylet, workers) is in the terminal's
     process group and gets the Ctrl-C too; the run still stops with a checkpoint and Ray goes with it."""
-    items = tiny(tmp_path, "own-ray", "run.steps=100000", "run.checkpoint_every=2")
-    proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", "launch",
-                             *[arg for item in items for arg in ("--set", item)]], start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = launch_process(tiny(tmp_path, "own-ray", "run.steps=100000", "run.checkpoint_every=2"))
     metrics = tmp_path / "own-ray" / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):

@@ -13,9 +13,9 @@ from streamrl.buffer.synthetic import synthetic_batch
 from streamrl.config import TrainerSection
 from streamrl.correction import LossConfig, token_logprobs
 from streamrl.megatron.convert import Layout, hf_to_megatron, megatron_to_hf
-from streamrl.megatron.parallel import free_port
 from streamrl.models.hf import load_policy
 from streamrl.models.tiny import build_tokenizer
+from streamrl.runtime.net import free_port
 from streamrl.tasks.reverse import CharVocab
 from streamrl.trainer.torch_trainer import TorchTrainer
 from streamrl.weights.arrays import state_arrays

@@ -16,7 +16,6 @@ import pickle
 import secrets
 import select
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.runtime.connect import is_loopback
+from streamrl.runtime.net import free_port, is_loopback
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE = Path(__file__).with_name("fake_sglang.py")
@@ -37,12 +36,6 @@ def _psutil():
     import ray  # noqa: F401
 
     return importlib.import_module("psutil")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _clean_env(**extra: str) -> dict[str, str]:

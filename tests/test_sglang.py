@@ -7,7 +7,6 @@ import json
 import math
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -18,19 +17,14 @@ import pytest
 from streamrl.buffer.schema import LENGTH, STOP
 from streamrl.engine.sglang.client import SglangClient, SglangError
 from streamrl.engine.sglang.engine import EngineLost, EnginePool, SglangEngine
-from streamrl.engine.sglang.server import ServerProcess, ServerSpec
+from streamrl.engine.sglang.server import ServerProcess, ServerSpec, group_members
 from streamrl.rollout.sglang_producer import disk_loader
+from streamrl.runtime.net import free_port
 
 FAKE = Path(__file__).with_name("fake_sglang.py")
 spec = importlib.util.spec_from_file_location("fake_sglang", FAKE)
 fake = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(fake)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_fake(*flags: str) -> ServerProcess:
@@ -182,19 +176,6 @@ def test_stopping_a_server_leaves_no_process(server):
     assert json.dumps(server.spec.url)  # the spec outlives the process
 
 
-def running_in_group(pgid: int) -> list[int]:
-    """Processes of a process group that are not zombies (an orphan's exit may be reaped late here)."""
-    running = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            running.append(int(stat.parent.name))
-    return running
-
-
 def test_a_server_does_not_outlive_a_producer_killed_with_sigkill():
     import subprocess
 
@@ -217,9 +198,9 @@ time.sleep(600)
         while time.monotonic() < deadline and SglangClient(f"http://127.0.0.1:{port}").healthy():
             time.sleep(0.1)
         assert not SglangClient(f"http://127.0.0.1:{port}").healthy()  # the guard ended the server
-        while time.monotonic() < deadline and running_in_group(guard):
+        while time.monotonic() < deadline and group_members(guard):
             time.sleep(0.1)  # the guard exits a moment after its server
-        assert not running_in_group(guard)  # nothing of its process group is left (zombies aside)
+        assert not group_members(guard)  # nothing of its process group is left (zombies aside)
     finally:
         owner.kill()
 
@@ -307,9 +288,9 @@ def test_a_server_whose_guard_is_killed_outright_ends_too(server):
     os.kill(server.process.pid, signal.SIGKILL)  # the guard only, as Ray does to a dead worker's children
     server.process.wait()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and running_in_group(server.process.pid):
+    while time.monotonic() < deadline and group_members(server.process.pid):
         time.sleep(0.1)
-    assert not running_in_group(server.process.pid)
+    assert not group_members(server.process.pid)
 
 
 # ---- weights by broadcast over one torch.distributed group per server (gloo here) ------------------------

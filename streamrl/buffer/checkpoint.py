@@ -53,6 +53,12 @@ def _fsync_write(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def remove_torn_directories(parent: Path) -> None:
+    """Remove what `atomic_directory` writers killed mid-write left in `parent` (one writer at a time)."""
+    for torn in Path(parent).glob(".*.tmp-*"):
+        shutil.rmtree(torn)
+
+
 def atomic_directory(target: Path, write: Callable[[Path], None]) -> Path:
     """Run `write(tmp_dir)` then rename tmp_dir to `target`, which must not exist yet."""
     target = Path(target)

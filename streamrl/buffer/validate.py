@@ -88,11 +88,12 @@ def _check_no_nulls(batch: pa.RecordBatch) -> None:
         if column.null_count:
             row = _first_row_where(np.asarray(column.is_null()))
             raise BatchError(name, row, "null value")
-        # flatten(), not .values: a sliced column's child array also holds the rows outside the slice
-        if pa.types.is_list(column.type) and column.flatten().null_count:
-            offsets = list_offsets(column)
-            flat = np.asarray(column.flatten().is_null())
-            raise BatchError(name, _row_of_flat_index(offsets, _first_row_where(flat)), "null element")
+        if not pa.types.is_list(column.type):
+            continue
+        flat = column.flatten()  # not .values: a sliced column's child array also holds the rows outside the slice
+        if flat.null_count:
+            where = np.asarray(flat.is_null())
+            raise BatchError(name, _row_of_flat_index(list_offsets(column), _first_row_where(where)), "null element")
 
 
 def _check_token_range(name: str, column: pa.ListArray, vocab_size: int | None) -> None:

@@ -22,7 +22,6 @@ def audit_run(path: str | Path) -> dict[str, Any]:
     run_dir = RunDir.open(path)
     records = run_dir.read("groups.jsonl")
     steps = [r["step"] for r in records]
-    trained_groups = Counter(g for r in records for g in r["group_ids"])
     trained_prompts = Counter(p for r in records for p in r["prompt_ids"])
     queue = load_queue(run_dir.verified_checkpoint() / "queue")
     waiting = Counter([g.prompt_id for g in queue.queued_groups()] + list(queue.returned_prompts()))
@@ -31,7 +30,7 @@ def audit_run(path: str | Path) -> dict[str, Any]:
     return {
         "steps": len(steps),
         "steps_in_order": steps == list(range(1, len(steps) + 1)),
-        "groups_trained": sum(trained_groups.values()),
+        "groups_trained": sum(len(r["group_ids"]) for r in records),
         # a prompt trained twice, or trained and waiting again (a group id twice is its prompt twice)
         "groups_duplicated": sum(n - 1 for n in seen.values() if n > 1),
         "groups_lost": len(handed_out - set(seen)),

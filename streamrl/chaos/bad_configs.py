@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import tomllib
@@ -147,7 +148,7 @@ def toml_literal(value: Any) -> str:
 
 
 def _set_in(tree: dict, dotted: str, value: Any) -> dict:
-    tree = json.loads(json.dumps(tree))
+    tree = copy.deepcopy(tree)
     *path, leaf = dotted.split(".")
     node = tree
     for part in path:

@@ -37,6 +37,20 @@ TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "mode
         "logging.progress=none", "run.time_limit_s=null"]
 
 
+def tiny_settings(root: str | Path, name: str, *extra: str) -> list[str]:
+    """`--set` items of a tiny run named `name` under `root`."""
+    return [*TINY, f"run.output_dir={json.dumps(str(root))}", f"run.name={name}", *extra]
+
+
+def launch_process(sets: list[str], *, address: str | None = None, resume: Path | None = None,
+                   env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`streamrl launch` as a user starts it, in a session of its own (so its whole group can be signalled)."""
+    command = [sys.executable, "-m", "streamrl.cli", "launch", *(["--address", address] if address else []),
+               *(["--resume", str(resume)] if resume else []), *[a for s in sets for a in ("--set", s)]]
+    return subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, **(env or {})})
+
+
 @dataclass(frozen=True)
 class Segment:
     """One launch of the run and the faults it meets."""
@@ -92,16 +106,12 @@ def run_segment(segment: Segment, *, root: Path, name: str, address: str, fresh:
     run_dir = root / name
     points_dir = root / f"failpoints-{int(time.time() * 1000)}"
     points_dir.mkdir()
-    env = {**os.environ, failpoints.ENV_SPEC: segment.points, failpoints.ENV_DIR: str(points_dir)}
+    env = {failpoints.ENV_SPEC: segment.points, failpoints.ENV_DIR: str(points_dir)}
     steps = segment.final_steps if segment.final_steps is not None else 100_000
-    sets = ([*TINY, f"run.output_dir={json.dumps(str(root))}", f"run.name={name}", "producers.count=2",
-             "run.checkpoint_every=2"] if fresh else [])
+    sets = tiny_settings(root, name, "producers.count=2", "run.checkpoint_every=2") if fresh else []
     sets.append(f"run.steps={_steps_trained(run_dir) + steps if segment.final_steps else steps}")
-    command = [sys.executable, "-m", "streamrl.cli", "launch", "--address", address,
-               *([] if fresh else ["--resume", str(run_dir)]), *[a for s in sets for a in ("--set", s)]]
     started = time.monotonic()
-    proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
+    proc = launch_process(sets, address=address, resume=None if fresh else run_dir, env=env)
     base_steps, signalled, killed = _steps_trained(run_dir), False, False
     while proc.poll() is None and time.monotonic() - started < timeout_s:
         if segment.signal_at and not signalled and segment.signal_at in failpoints.fired(points_dir):
@@ -138,12 +148,9 @@ def interrupted_start_up(*, root: Path, address: str) -> dict[str, Any]:
     """Ctrl-C while the actors start: nothing trained, nothing left (not even the run directory)."""
     points_dir = root / "failpoints-start-up"
     points_dir.mkdir()
-    env = {**os.environ, failpoints.ENV_SPEC: "launch.start=sleep:3", failpoints.ENV_DIR: str(points_dir)}
-    sets = [*TINY, f"run.output_dir={json.dumps(str(root))}", "run.name=start-up"]
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", "launch", "--address", address,
-                             *[a for s in sets for a in ("--set", s)]], start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = launch_process(tiny_settings(root, "start-up"), address=address,
+                          env={failpoints.ENV_SPEC: "launch.start=sleep:3", failpoints.ENV_DIR: str(points_dir)})
     while "launch.start" not in failpoints.fired(points_dir) and proc.poll() is None:
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)

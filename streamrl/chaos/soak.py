@@ -34,6 +34,9 @@ from streamrl.weights.actor import WeightsActor
 MB = 2**20
 
 
+QUICK = {"producers": 8, "duration_s": 30.0}  # `bench soak --quick` and `bench chaos --quick`
+FULL = {"producers": 16, "duration_s": 120.0}
+
 class SoakConfig(BaseModel):
     """One soak: the load, the queue under it and the bounds it is judged against."""
 

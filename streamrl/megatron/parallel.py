@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from streamrl.runtime.net import free_port
+
 
 def initialize(*, rank: int = 0, world_size: int = 1, tensor_parallel: int = 1, data_parallel: int = 1,
                master_addr: str = "127.0.0.1", master_port: int | None = None, seed: int = 0,
@@ -36,10 +38,7 @@ def initialize(*, rank: int = 0, world_size: int = 1, tensor_parallel: int = 1, 
             os.environ["MASTER_ADDR"] = master_addr
             os.environ["MASTER_PORT"] = str(master_port if master_port is not None else free_port())
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
-    if parallel_state.get_data_parallel_world_size() != data_parallel:  # megatron-core's own derivation
-        raise RuntimeError(f"megatron-core formed {parallel_state.get_data_parallel_world_size()} data-parallel "
-                           f"ranks, not {data_parallel}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)  # DP = world / TP
     tensor_rank = parallel_state.get_tensor_model_parallel_rank()
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -56,11 +55,3 @@ def shutdown() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -101,10 +101,10 @@ class RolloutProducer:
             failpoints.hit("producer.generate")
             batch = self.generate(tickets)
             self.queue.commit(batch)
-            failpoints.hit("producer.after_commit")
         except BaseException:
             self.queue.abandon([t.ticket_id for t in tickets])  # the prompts go back; the error propagates
             raise
+        failpoints.hit("producer.after_commit")  # committed: its tickets are the queue's now
         self.stats["groups"] += len(tickets)
         return len(tickets)
 

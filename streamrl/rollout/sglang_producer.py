@@ -85,6 +85,7 @@ class SglangProducer:
         self.stats: dict[str, Any] = {"groups": 0, "samples": 0, "generated_tokens": 0, "lost_groups": 0,
                                       "weight_updates": 0, "update_pause_s": 0.0}
         self.last_blocked_by: str | None = None
+        self._loaded = threading.Event()  # set by the weights thread after each version it loads
 
     def run(self, stop: threading.Event) -> None:
         """Generate until `stop` is set; a commit or weights failure is raised here."""
@@ -116,6 +117,10 @@ class SglangProducer:
         admission = self.queue.admit(self.producer_id, free, weights_version=self.pool.version,
                                      timeout=self.admit_timeout if not running else 0.0)
         self.last_blocked_by = admission.blocked_by
+        if admission.blocked_by == "stale_weights" and not running:
+            # refused at once: only newer weights open slots, so wait for them (not a busy loop)
+            self._loaded.wait(self.admit_timeout)
+            self._loaded.clear()
         for ticket in admission.tickets:
             prompt = list(self.task.prompt(ticket.prompt_id))
             futures = [self._samples.submit(self._sample, prompt) for _ in range(self.group_size)]
@@ -178,5 +183,6 @@ class SglangProducer:
                 have = version
                 self.stats["weight_updates"] += 1
                 self.stats["update_pause_s"] += sum(pauses)
+                self._loaded.set()
         except BaseException as exc:
             self._weights_error = exc

@@ -389,7 +389,7 @@ def _make_learner(run_name: str, cfg: RunConfig, config: dict[str, Any], model_d
         from streamrl.trainer.torch_trainer import TorchTrainer
 
         return TorchTrainer(model_dir, **common)
-    from streamrl.megatron.parallel import free_port
+    from streamrl.runtime.net import free_port
     from streamrl.trainer.megatron_trainer import MegatronTrainer
     from streamrl.trainer.ranks import MegatronRank, RankGroup
 

@@ -23,7 +23,6 @@ all interfaces, since the cluster's workers call back to it.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import sys
 from collections.abc import Iterator
@@ -33,25 +32,14 @@ from typing import Any
 
 import ray
 
-LOOPBACK = "127.0.0.1"
+from streamrl.runtime.net import LOOPBACK, is_loopback
+
 AUTH_MODE_VAR, TOKEN_VAR, TOKEN_PATH_VAR = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
 DEFAULT_TOKEN_FILE = Path("~/.ray/auth_token")
 
 
 class RayConnectError(RuntimeError):
     """Ray cannot be reached or refuses this client; the message says why in one line."""
-
-
-def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1, ::ffff:127.x.y.z (an IPv6 socket bound to IPv4 loopback), or `localhost`."""
-    if host == "localhost":
-        return True
-    try:
-        address = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:  # a host name
-        return False
-    mapped = getattr(address, "ipv4_mapped", None)
-    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 @contextmanager

@@ -173,7 +173,7 @@ class RunFailed(RuntimeError):
 def actor_died(exc: BaseException) -> bool:
     """The error says an actor's process is gone (killed, crashed, its node lost), not that its code raised."""
     while exc is not None:
-        if isinstance(exc, ray.exceptions.RayActorError):
+        if isinstance(exc, ray.exceptions.ActorDiedError):  # not ActorUnavailableError: that may pass
             return True
         exc = exc.__cause__ if isinstance(exc, ray.exceptions.RayTaskError) else None
     return False
@@ -220,14 +220,14 @@ class Run:
         check_resources(cfg)
         vocab = int(model_facts(cfg)["vocab_size"])
         queue_cfg = cfg.queue.model_copy(update={"vocab_size": vocab})
-        search_path = os.getcwd()
+        self.search_path = search_path = os.getcwd()
         restore = str(self.resume_from / "queue") if self.resume_from else None
         self.queue = create_queue_actor(self.name, queue_cfg, restore_from=restore)
         self.weights = create_actor(WeightsActor, self.name, "weights", max_concurrency=cfg.producers.count + 4)
         self.actors += [self.queue, self.weights]
         trainer_model = self.resume_from / "trainer" / "model" if self.resume_from else model_dir
         trainer_resume = str(self.resume_from / "trainer") if self.resume_from else None
-        config_dict = cfg.model_dump(mode="json")
+        self.config_dict = config_dict = cfg.model_dump(mode="json")
         self.trainer_group = trainer_placement(cfg)  # tensor-parallel ranks kept on one node
         self.trainer = create_actor(TrainerActor, self.name, "trainer", self.name, config_dict, str(trainer_model),
                                     trainer_resume, search_path, self.trainer_group, num_cpus=cfg.trainer.num_cpus,
@@ -262,7 +262,7 @@ class Run:
         # A dead actor's name stays taken while handles to it live: a replacement gets its own name.
         role = f"producer-{pid}" + (f"-restart{restart}" if restart else "")
         producer = create_actor(SglangProducerActor if sglang else ProducerActor, self.name, role, self.name, pid,
-                                cfg.model_dump(mode="json"), str(self.model_dir), seed, os.getcwd(), *extra,
+                                self.config_dict, str(self.model_dir), seed, self.search_path, *extra,
                                 num_cpus=cfg.producers.num_cpus, num_gpus=cfg.producers.num_gpus, max_concurrency=3)
         self.actors.append(producer)
         return producer
@@ -293,7 +293,7 @@ class Run:
                            ("trainer", lambda: self.trainer.ready.remote())):
             try:
                 ray.get(call(), timeout=30)
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.ActorDiedError:
                 return role
         return None
 
@@ -303,7 +303,7 @@ class Run:
         role = self.dead_core_actor()
         if role is None:
             return None
-        checkpoint = self.run_dir.latest_checkpoint().name if (self.run_dir.checkpoints / "latest").is_file() else None
+        checkpoint = self.run_dir.latest_checkpoint_name()
         resume = (f"To resume from {checkpoint}: streamrl launch --resume {self.run_dir.path}" if checkpoint else
                   "No checkpoint was written yet (run.checkpoint_every): start the run again")
         self.run_dir.append(EVENTS_FILE, {"event": "run_failed", "dead": role, "step": self.step,
@@ -317,10 +317,13 @@ class Run:
         if self.producer_restarts >= self.config.producers.max_restarts:
             raise RunFailed(f"producer {pid} died and producers.max_restarts = {self.config.producers.max_restarts} "
                             f"replacements are used up ({_first_line(exc)})") from exc
+        if self.config.trainer.colocated:  # the trainer takes GPU turns with the servers of these very actors
+            raise RunFailed(f"producer {pid} died in a colocated run, which does not replace producers "
+                            f"({_first_line(exc)}); resume with: streamrl launch --resume {self.run_dir.path}") from exc
         self.producer_restarts += 1
-        returned = ray.get(self.queue.abandon_producer.remote(pid))
-        ray.get(self.weights.drop_holder.remote(pid))
+        returned = self._release_producer(pid)
         old = self.producers[pid]
+        ray.kill(old)  # already gone; this only makes sure
         self.actors.remove(old)
         self.producers[pid] = self._create_producer(pid, restart=self.producer_restarts)
         self.producer_runs[pid] = self.producers[pid].run.remote()
@@ -330,6 +333,12 @@ class Run:
         if self._view is not None:
             self._view.print(f"producer {pid} died ({_first_line(exc)}); {len(returned)} running groups go back "
                              f"to the queue, a new producer takes its place")
+
+    def _release_producer(self, pid: int) -> list[int]:
+        """What a dead producer held: its running tickets (their prompts go back) and its weights version."""
+        returned = ray.get(self.queue.abandon_producer.remote(pid))
+        ray.get(self.weights.drop_holder.remote(pid))
+        return returned
 
     def _evaluate(self, started: float) -> dict[str, Any]:
         result = {"step": self.step, "elapsed_s": self._elapsed(started), **self._await(self.trainer.evaluate.remote())}
@@ -422,14 +431,14 @@ class Run:
         was_paused = ray.get(self.queue.pause.remote())
         for producer in self.producers:
             producer.stop.remote()
+        ray.wait(self.producer_runs, num_returns=len(self.producer_runs), timeout=timeout)
         alive = []
         for pid, run in enumerate(self.producer_runs):
             try:
-                ray.get(run, timeout=timeout)
+                ray.get(run, timeout=0)
                 alive.append(self.producers[pid])
-            except ray.exceptions.RayActorError:  # died while stopping: its running groups go back
-                ray.get(self.queue.abandon_producer.remote(pid))
-                ray.get(self.weights.drop_holder.remote(pid))
+            except ray.exceptions.ActorDiedError:  # died while stopping: its running groups go back
+                self._release_producer(pid)
         self.producer_stats = ray.get([p.status.remote() for p in alive])
         self.weight_histories = ray.get([p.weight_history.remote() for p in alive])
         ray.get(self.queue.resume.remote(was_paused))  # the checkpoint keeps the operator's setting
@@ -505,13 +514,15 @@ def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
     """Run to completion, Ctrl-C, or until `stop` is set, and return the summary; Ray is left as it was found.
     `sigterm_stops`: SIGTERM (a scheduler, `kill`) stops the run like Ctrl-C, with a checkpoint."""
     run = Run(config, run_dir, resume_from=resume_from)
+    if sigterm_stops:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         started_ray = connect_ray(config)
     except BaseException:
         if resume_from is None:
             run_dir.discard_unstarted()  # an unreachable cluster, or Ctrl-C while joining it: nothing ran
         raise
-    if sigterm_stops:  # after Ray starts: its core worker installs a SIGTERM handler that exits at once
+    if sigterm_stops:  # again: Ray's core worker installs its own SIGTERM handler, which exits at once
         signal.signal(signal.SIGTERM, signal.default_int_handler)
     view = ProgressView(config.logging.progress, config.run.steps, run.start_step, config.logging.line_every)
     view.print(f"streamrl run {config.run.name!r} → {run_dir.path}")

@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from streamrl.buffer.checkpoint import atomic_directory, sha256_file
+from streamrl.buffer.checkpoint import atomic_directory, remove_torn_directories, sha256_file
 from streamrl.config import RunConfig, dump_config, load_config
 
 CHECKSUMS = "checksums.json"  # sha256 of every other file of a checkpoint, written last
@@ -106,8 +106,7 @@ class RunDir:
             (tmp / CHECKSUMS).write_text(json.dumps(checksums, indent=1) + "\n")
 
         self.checkpoints.mkdir(exist_ok=True)
-        for stale in self.checkpoints.glob(".step_*.tmp-*"):  # left by a writer that was killed mid-write
-            shutil.rmtree(stale)
+        remove_torn_directories(self.checkpoints)
         target = atomic_directory(self.step_dir(step), fill)
         latest_tmp = self.checkpoints / ".latest.tmp"
         latest_tmp.write_text(target.name + "\n")
@@ -124,6 +123,10 @@ class RunDir:
         if not (target / "meta.json").is_file():
             raise RunDirError(f"checkpoint {str(target)!r} is incomplete (no meta.json)")
         return target
+
+    def latest_checkpoint_name(self) -> str | None:
+        """`step_N` of the latest checkpoint, None before the first."""
+        return self.latest_checkpoint().name if (self.checkpoints / "latest").is_file() else None
 
     def verified_checkpoint(self) -> Path:
         """The latest checkpoint, every file checked against the checksums written with it; a damaged one

@@ -146,7 +146,7 @@ class FileTask:
         self.rows = read_rows(section.prompts, section.prompt_field, **lengths)
         self.eval_rows = (read_rows(section.eval_prompts, section.prompt_field, **lengths)
                           if section.eval_prompts else [])
-        self.reward_fn = import_reward(section.reward, search_path)  # here too: a bad spec fails at launch
+        import_reward(section.reward, search_path)  # here too, not only in the worker: a bad spec fails at launch
         self.guard = RewardGuard(section.reward, search_path, isolation=section.reward_isolation,
                                  timeout_s=section.reward_timeout_s, low=section.reward_min,
                                  high=section.reward_max, fallback=section.reward_on_failure)
@@ -189,7 +189,7 @@ class FileTask:
 
     def recent_reward_failures(self) -> list[str]:
         """The last few failed rewards, oldest first, as `kind: message`."""
-        return [f"{f.kind}: {f.message}" for f in self.guard.recent]
+        return [f"{f.kind}: {f.message}" for f in list(self.guard.recent)]  # a copy: calls may append
 
     def close(self) -> None:
         """Stop the reward worker process (it also ends with this process)."""

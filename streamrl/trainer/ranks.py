@@ -23,9 +23,6 @@ import ray
 
 from streamrl.config import RunConfig
 
-# Calls whose result is rank 0's alone: the other ranks only take part in the collective.
-_COLLECTIVE_ONLY = {"weights", "hf_model", "hf_state"}
-
 
 class MegatronRank:
     """Rank r > 0 of the trainer: the same MegatronTrainer, driven by rank 0."""
@@ -49,9 +46,10 @@ class MegatronRank:
     def ready(self) -> int:
         return os.getpid()
 
-    def run(self, method: str, *args: Any) -> Any:
-        result = getattr(self.trainer, method)(*args)
-        return None if method in _COLLECTIVE_ONLY else result
+    def run(self, method: str, *args: Any) -> None:
+        """Take part in `method` (the collectives inside pair the ranks); rank 0's result is the one used,
+        so nothing is sent back."""
+        getattr(self.trainer, method)(*args)
 
 
 class RankGroup:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from streamrl.engine.sglang.client import SglangClient
+from streamrl.runtime.net import is_loopback
 
 _names = itertools.count()  # group names are unique in this process (torch refuses a name twice)
 
@@ -61,7 +62,7 @@ def dtype_name(array: np.ndarray) -> str:
 def reaching_address(host: str, port: int) -> str:
     """This machine's address as the server sees it: loopback for a loopback server, else the address
     of the interface that routes to it (a UDP connect sends nothing)."""
-    if host in ("127.0.0.1", "localhost", "::1"):
+    if is_loopback(host):
         return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((host, port))

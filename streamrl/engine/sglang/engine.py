@@ -155,8 +155,10 @@ class SglangEngine:
             self.client.release_memory_occupation()
             self._released = True
         except BaseException:
-            self.client.continue_generation()
-            self._open_gate()
+            try:
+                self.client.continue_generation()
+            finally:
+                self._open_gate()  # even when the server is gone: samplers must not wait forever
             raise
 
     def resume(self) -> None:

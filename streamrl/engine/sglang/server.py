@@ -146,7 +146,6 @@ class ServerProcess:
         self.process.wait()
 
 
-
 def _signal_group(group: int, sig: int) -> None:
     try:
         os.killpg(group, sig)
@@ -160,6 +159,20 @@ def _group_alive(group: int) -> bool:
         os.killpg(group, 0)
     except ProcessLookupError:
         return False
+    return not Path("/proc").is_dir() or bool(group_members(group))
+
+
+def group_members(group: int) -> list[int]:
+    """The pids of a process group's processes that are not zombies (from /proc)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended while being read
+        if int(fields[2]) == group and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
     proc = Path("/proc")
     if not proc.is_dir():
         return True
