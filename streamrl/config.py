@@ -186,6 +186,10 @@ class TrainerSection(_Section):
     """megatron backend: copies of the (tensor-parallel) model, each training on its share of every
     mini-batch's groups, gradients summed across them; the trainer runs tensor_parallel × data_parallel
     rank actors. Above 1, `queue.groups_per_step` must be divisible by data_parallel × minibatches."""
+    pipeline_parallel: int = Field(1, ge=1)
+    """megatron backend: stages the model's layers are split over in order (it must divide the layer
+    count), micro-batches flowing through them one-forward-one-backward; the trainer runs
+    tensor_parallel × data_parallel × pipeline_parallel rank actors."""
     collective_timeout_s: float = Field(600.0, gt=0)
     """megatron backend: longest wait for the other ranks (joining, each collective); a dead rank
     fails the run after this instead of hanging it."""
@@ -200,6 +204,11 @@ class TrainerSection(_Section):
     and free their memory, the trainer loads itself, trains, publishes and offloads, the servers resume."""
     get_timeout_s: float = Field(300.0, gt=0)
     """The trainer gives up (and the run fails) when no batch arrives for this long."""
+
+    @property
+    def ranks(self) -> int:
+        """Trainer ranks (one Ray actor each): tensor × data × pipeline parallel."""
+        return self.tensor_parallel * self.data_parallel * self.pipeline_parallel
 
 
 class LoggingSection(_Section):
@@ -258,23 +267,19 @@ class RunConfig(_Section):
         if self.trainer.colocated and not (self.producers.engine == "sglang" and self.producers.sglang.memory_saver):
             raise ValueError("trainer.colocated = true needs producers.engine = 'sglang' with "
                              "producers.sglang.memory_saver = true (the servers free their GPU memory in turn)")
-        if self.trainer.colocated and self.trainer.tensor_parallel > 1:
-            raise ValueError("trainer.colocated = true with trainer.tensor_parallel > 1 is not supported: the "
-                             "offloaded ranks would gather their weights over NCCL from host memory")
         sg = self.producers.sglang
         gpus = math.ceil(self.producers.num_gpus)  # a fraction of a GPU is a share of one (colocated)
         if self.producers.engine == "sglang" and 0 < gpus < sg.servers * sg.tensor_parallel:
             raise ValueError(f"producers.num_gpus={self.producers.num_gpus:g} is fewer than the "
                              f"{sg.servers * sg.tensor_parallel} GPUs its sglang servers use "
                              "(producers.sglang.servers × producers.sglang.tensor_parallel)")
-        if self.trainer.tensor_parallel > 1 and self.trainer.backend != "megatron":
-            raise ValueError(f"trainer.tensor_parallel={self.trainer.tensor_parallel} needs trainer.backend = "
-                             "'megatron'")
-        if self.trainer.data_parallel > 1 and self.trainer.backend != "megatron":
-            raise ValueError(f"trainer.data_parallel={self.trainer.data_parallel} needs trainer.backend = 'megatron'")
-        if self.trainer.colocated and self.trainer.data_parallel > 1:
-            raise ValueError("trainer.colocated = true with trainer.data_parallel > 1 is not supported: one trainer "
-                             "rank takes turns with the servers")
+        for kind in ("tensor_parallel", "data_parallel", "pipeline_parallel"):
+            size = getattr(self.trainer, kind)
+            if size > 1 and self.trainer.backend != "megatron":
+                raise ValueError(f"trainer.{kind}={size} needs trainer.backend = 'megatron'")
+            if size > 1 and self.trainer.colocated:
+                raise ValueError(f"trainer.colocated = true with trainer.{kind} > 1 is not supported: one trainer "
+                                 "rank takes turns with the servers (offloaded ranks cannot run collectives)")
         return self
 
 

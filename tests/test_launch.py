@@ -85,12 +85,14 @@ def test_sync_and_one_step_schedules_run_through_the_same_code_path(ray_local, t
     assert summary["queue"]["over_budget"] == 0
 
 
-@pytest.mark.parametrize("tp, dp", [(1, 1), (2, 1), (1, 2)])
-def test_the_megatron_trainer_runs_a_launch_and_resumes_from_its_own_checkpoint(ray_local, tmp_path, tp, dp):
+@pytest.mark.parametrize("tp, dp, pp", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)])
+def test_the_megatron_trainer_runs_a_launch_and_resumes_from_its_own_checkpoint(ray_local, tmp_path, tp, dp, pp):
     groups_before = len(ray.util.placement_group_table())
-    first, run_dir = run_tiny(tmp_path, f"mcore{tp}x{dp}", "run.steps=3", "trainer.backend=megatron",
+    ranks = tp * dp * pp
+    first, run_dir = run_tiny(tmp_path, f"mcore{tp}x{dp}x{pp}", "run.steps=3", "trainer.backend=megatron",
                               "producers.count=1", f"trainer.tensor_parallel={tp}", f"trainer.data_parallel={dp}",
-                              f"trainer.num_cpus={1 / (tp * dp)}", "producers.num_cpus=0.5")
+                              f"trainer.pipeline_parallel={pp}", f"trainer.num_cpus={1 / ranks}",
+                              "producers.num_cpus=0.5")
     assert first["steps"] == 3 and first["staleness_bound_held"]
     model_dir = run_dir.latest_checkpoint() / "trainer" / "model"
     assert (model_dir / "config.json").is_file() and list(model_dir.glob("*.safetensors"))  # HF format out
@@ -100,10 +102,12 @@ def test_the_megatron_trainer_runs_a_launch_and_resumes_from_its_own_checkpoint(
     assert [e["step"] for e in run_dir.read("eval.jsonl")] == [0, 3, 5]  # eval on the megatron weights
     # the ranks ran in one STRICT_PACK placement group, removed with the run
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
-    assert len(ray.util.placement_group_table()) - groups_before == (2 if tp * dp > 1 else 0)  # one per launch
-    # DP rank 0's TP ranks write the optimizer state (the DP ranks' is the same); every DP rank reads it back
+    assert len(ray.util.placement_group_table()) - groups_before == (2 if ranks > 1 else 0)  # one per launch
+    # DP rank 0's TP ranks and stages write the optimizer state (the DP ranks' is the same); every DP rank
+    # reads it back
     optimizer_files = sorted(p.name for p in run_dir.latest_checkpoint().glob("trainer/optimizer*.pt"))
-    assert optimizer_files == (["optimizer.pt"] if tp == 1 else ["optimizer.tp0.pt", "optimizer.tp1.pt"])
+    assert optimizer_files == {(1, 1): ["optimizer.pt"], (2, 1): ["optimizer.tp0.pt", "optimizer.tp1.pt"],
+                               (1, 2): ["optimizer.pp0.pt", "optimizer.pp1.pt"]}[tp, pp]
 
 
 @pytest.mark.parametrize("weights", ["disk", "distributed"])
@@ -275,6 +279,16 @@ def test_sequences_longer_than_the_model_allows_are_refused_before_anything_star
     with pytest.raises(ConfigError, match="exceed the model's max_position_embeddings=16"):
         prepare(None, tiny(tmp_path, "long", "task.digits=5", "model.max_positions=16"))
     assert not (tmp_path / "long").exists()
+
+
+def test_pipeline_stages_that_do_not_split_the_layers_evenly_are_refused_before_anything_starts(tmp_path):
+    megatron = ["trainer.backend=megatron", "model.num_layers=3"]
+    with pytest.raises(ConfigError, match=r"trainer.pipeline_parallel=2 does not divide the model's 3 layers"):
+        prepare(None, tiny(tmp_path, "uneven", *megatron, "trainer.pipeline_parallel=2"))
+    assert not (tmp_path / "uneven").exists()
+    with pytest.raises(ConfigError, match="trainer.pipeline_parallel=2 needs trainer.backend = 'megatron'"):
+        prepare(None, tiny(tmp_path, "torch", "trainer.pipeline_parallel=2"))
+    assert prepare(None, tiny(tmp_path, "even", *megatron, "trainer.pipeline_parallel=3"))[0].trainer.ranks == 3
 
 
 def test_resuming_a_finished_run_asks_for_more_steps(ray_local, tmp_path):

@@ -12,7 +12,7 @@ from streamrl.buffer import QueueConfig, ReplayQueue
 from streamrl.buffer.synthetic import synthetic_batch
 from streamrl.config import TrainerSection
 from streamrl.correction import LossConfig, token_logprobs
-from streamrl.megatron.convert import Layout, hf_to_megatron, megatron_to_hf
+from streamrl.megatron.convert import Layout, Stage, hf_names, hf_to_megatron, megatron_to_hf
 from streamrl.models.hf import load_policy
 from streamrl.models.tiny import build_tokenizer
 from streamrl.runtime.net import free_port
@@ -64,6 +64,37 @@ def test_hf_to_megatron_to_hf_is_an_exact_round_trip(kind, tp):
     assert shards[0]["embedding.word_embeddings.weight"].shape[0] == layout.padded_vocab(tp) // tp
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_pipeline_stages_convert_their_own_layers_and_round_trip_exactly(kind):
+    """Two stages × TP 2: layer 1 is the second stage's layer 0; the embedding is on the first stage,
+    the norm and output layer on the last (a tied embedding as a copy there, exported once)."""
+    model = hf_model(kind)
+    layout = Layout.from_hf(model.config)
+    hf = model.state_dict()
+    back = {}
+    for rank in range(2):
+        stage = Stage.of(layout, rank, 2)
+        shards = [hf_to_megatron(hf, layout, rank=r, tp=2, stage=stage) for r in range(2)]
+        part = megatron_to_hf(shards, layout, stage)
+        assert sorted(part) == sorted(hf_names(layout, stage)) and not set(part) & set(back)
+        back.update(part)
+        assert ("embedding.word_embeddings.weight" in shards[0]) == (rank == 0)
+        assert ("decoder.final_layernorm.weight" in shards[0]) == (rank == 1)
+        assert not any(name.startswith("decoder.layers.1.") for name in shards[0])
+    assert shards[0]["decoder.layers.0.mlp.linear_fc2.weight"].equal(hf["model.layers.1.mlp.down_proj.weight"][:, :32])
+    source = "model.embed_tokens.weight" if layout.tied else "lm_head.weight"
+    assert shards[1]["output_layer.weight"].equal(_pad(hf[source], layout.padded_vocab(2))[layout.padded_vocab(2) // 2:])
+    assert set(back) == set(state_arrays(model))
+    for name, tensor in back.items():
+        assert torch.equal(tensor, hf[name]), name
+    with pytest.raises(ValueError, match="pipeline parallel size 3 does not divide the model's 2 layers"):
+        Stage.of(layout, 0, 3)
+
+
+def _pad(table: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([table, table.new_zeros(rows - len(table), *table.shape[1:])])
+
+
 def test_conversion_refuses_what_it_cannot_split_or_does_not_know():
     layout = Layout.from_hf(hf_model("qwen2").config)
     with pytest.raises(ValueError, match="tensor parallel size 4 does not divide key/value heads = 2"):
@@ -92,7 +123,7 @@ def forward_worker(rank, world, port, model_dir, out):
 
     parallel.initialize(rank=rank, world_size=world, tensor_parallel=world, master_port=port)
     hf, _ = load_policy(model_dir)
-    model, layout = build_model(hf.config)
+    model, layout, _ = build_model(hf.config)
     model.load_state_dict(hf_to_megatron(hf.state_dict(), layout, rank=rank, tp=world), strict=False)
     ids = token_batch()
     width = ids.shape[1]
@@ -134,11 +165,12 @@ def step_batch():
 STEP = dict(lr=1e-2, minibatches=2, micro_batch_tokens=24)
 
 
-def trainer_worker(rank, world, port, model_dir, out):
+def trainer_worker(rank, world, port, model_dir, out, pp=1):
     torch.set_num_threads(1)
     from streamrl.trainer.megatron_trainer import MegatronTrainer
 
-    trainer = MegatronTrainer(model_dir, trainer=TrainerSection(tensor_parallel=world, **STEP),
+    trainer = MegatronTrainer(model_dir, trainer=TrainerSection(tensor_parallel=world // pp, pipeline_parallel=pp,
+                                                                **STEP),
                               loss=LossConfig(name="decoupled_ppo"), group_size=4, rank=rank, world_size=world,
                               master_port=port)
     metrics = trainer.train(step_batch())
@@ -153,6 +185,17 @@ def test_one_megatron_trainer_step_matches_the_torch_trainer(model_dir, tmp_path
     if torch.cuda.is_available():
         pytest.skip("the CPU (gloo) variant; see the gpu test below")
     run_ranks(trainer_worker, tp, str(model_dir), str(tmp_path))
+    check_step_against_torch(model_dir, tmp_path, atol=1e-4)
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
+def test_a_pipeline_parallel_step_matches_the_torch_trainer(model_dir, tmp_path, tp, pp):
+    """Two stages of one layer each, micro-batches in 1F1B order (STEP cuts each mini-batch into
+    several), the proximal pass forward only; Qwen2's tied embedding lives on both ends of the
+    pipeline, Llama's output layer on the last stage alone. TP = 2 as well: world 4."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU (gloo) variant")
+    run_ranks(trainer_worker, tp * pp, str(model_dir), str(tmp_path), pp)
     check_step_against_torch(model_dir, tmp_path, atol=1e-4)
 
 
@@ -187,14 +230,14 @@ def check_step_against_torch(model_dir, tmp_path, atol):
 DP_STEP = dict(STEP, lr=1e-3)
 
 
-def dp_worker(rank, world, port, model_dir, out, dp, poison):
-    """One step at TP = world / DP; every rank saves its own weights (DP ranks must agree) and metrics.
+def dp_worker(rank, world, port, model_dir, out, dp, poison, pp=1):
+    """One step at TP = world / (DP × PP); every rank saves its own weights (DP ranks must agree) and metrics.
     `poison`: DP rank 1's loss is NaN in the second mini-batch (after the first one was applied)."""
     torch.set_num_threads(1)
     from streamrl.trainer.megatron_trainer import MegatronTrainer
 
-    trainer = MegatronTrainer(model_dir, trainer=TrainerSection(tensor_parallel=world // dp, data_parallel=dp,
-                                                                **DP_STEP),
+    trainer = MegatronTrainer(model_dir, trainer=TrainerSection(tensor_parallel=world // (dp * pp), data_parallel=dp,
+                                                                pipeline_parallel=pp, **DP_STEP),
                               loss=LossConfig(name="decoupled_ppo"), group_size=4, rank=rank, world_size=world,
                               master_port=port)
     before = {name: t.clone() for name, t in trainer.model.state_dict().items() if isinstance(t, torch.Tensor)}
@@ -219,11 +262,11 @@ def dp_worker(rank, world, port, model_dir, out, dp, poison):
     trainer.close()
 
 
-def run_dp(model_dir, tmp_path, name, tp, dp, poison=False):
+def run_dp(model_dir, tmp_path, name, tp, dp, poison=False, pp=1):
     out = tmp_path / name
     out.mkdir()
-    run_ranks(dp_worker, tp * dp, str(model_dir), str(out), dp, poison)
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(tp * dp)]
+    run_ranks(dp_worker, tp * dp * pp, str(model_dir), str(out), dp, poison, pp)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(tp * dp * pp)]
 
 
 @pytest.fixture(scope="module")
@@ -241,15 +284,15 @@ def one_rank_step(qwen2_dir, tmp_path_factory):
     return run_dp(qwen2_dir, tmp_path_factory.mktemp("dp1"), "dp1", 1, 1)[0]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_data_parallel_step_equals_the_one_rank_step(qwen2_dir, one_rank_step, tmp_path, tp):
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
+def test_a_data_parallel_step_equals_the_one_rank_step(qwen2_dir, one_rank_step, tmp_path, tp, pp):
     """DP = 2 on the same batch: each rank trains on 1 of each mini-batch's 2 groups, the loss is
     normalised by both ranks' tokens and the gradients are summed, so the step is the one-rank step
-    (TP = 2 as well: world 4)."""
+    (TP = 2 or PP = 2 as well: world 4; ranks 0 and 1 are then DP peers of the first stage)."""
     if torch.cuda.is_available():
         pytest.skip("the CPU (gloo) variant")
     one = one_rank_step
-    ranks = run_dp(qwen2_dir, tmp_path, "dp2", tp, 2)
+    ranks = run_dp(qwen2_dir, tmp_path, "dp2", tp, 2, pp=pp)
     two = ranks[0]
     assert two["version"] == one["version"] == 1 and two["error"] is None
     print("metrics DP=1", one["metrics"], "\nmetrics DP=2", two["metrics"])
@@ -265,7 +308,7 @@ def test_a_data_parallel_step_equals_the_one_rank_step(qwen2_dir, one_rank_step,
         # k_proj.bias: its true gradient is 0 (see check_step_against_torch), AdamW scales rounding noise
         if not name.endswith("k_proj.bias"):
             worst = max(worst, float((two["hf"][name] - tensor).abs().max()))
-    print(f"TP={tp}: largest parameter difference DP=2 vs TP=DP=1 after the step: {worst:.2e}")
+    print(f"TP={tp} PP={pp}: largest parameter difference DP=2 vs one rank after the step: {worst:.2e}")
     assert worst < 1e-5, worst
     for rank in ranks[tp:]:  # DP rank 1 holds the same weights as DP rank 0 (its TP peer), and exports nothing
         assert rank["hf"] == {}

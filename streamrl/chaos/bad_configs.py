@@ -269,6 +269,11 @@ class ConfigSpecs:
              "data parallelism with the torch backend"),
             (["trainer.backend=\"megatron\"", "trainer.data_parallel=2", f"queue.groups_per_step={2 * n + 1}"],
              "trainer.data_parallel", "groups per step that do not split over the data-parallel ranks"),
+            ([f"trainer.pipeline_parallel={n + 1}", "trainer.backend=\"torch\""], "trainer.pipeline_parallel",
+             "pipeline parallelism with the torch backend"),
+            (["trainer.colocated=true", "producers.engine=\"sglang\"", "producers.sglang.memory_saver=true",
+              "trainer.backend=\"megatron\"", f"trainer.pipeline_parallel={n + 1}"], "trainer.pipeline_parallel",
+             "a colocated pipeline-parallel trainer"),
         ]
         overrides, name, what = pick(rng, cases)
         return ConfigSpec(f"contradiction: {what}", (name,), text=self.text.encode(), overrides=tuple(overrides))

@@ -10,6 +10,11 @@
 | `model.embed_tokens`, `lm_head` (untied)        | `embedding.word_embeddings`, `output_layer` | vocabulary    |
 | `model.norm`                                     | `decoder.final_layernorm`                   | replicated    |
 
+A pipeline stage converts only what it holds (`Stage`): its run of layers, renumbered from 0, the
+embedding on the first stage, the final norm and output layer on the last. A model with tied
+embeddings split over stages keeps a copy of the embedding as the last stage's output layer (megatron
+-core's own arrangement; the copies' gradients are summed, see `streamrl.megatron.pipeline`).
+
 The fused QKV is laid out per query group — the group's query heads, then its key head, then its value
 head — so a tensor-parallel rank holds whole groups. The fused fc1 holds [gate; up] on every rank,
 each half that rank's slice. The vocabulary is padded with zero rows to a multiple of the TP size
@@ -70,8 +75,35 @@ class Layout:
                 raise ValueError(f"tensor parallel size {tp} does not divide {what} = {count}")
 
 
-def _layer(i: int) -> tuple[str, str]:
-    return f"model.layers.{i}.", f"decoder.layers.{i}."
+@dataclass(frozen=True)
+class Stage:
+    """The part of the model one pipeline stage holds: layers [first_layer, first_layer + layers), the
+    embedding when `pre`, the final norm and output layer when `post`."""
+
+    first_layer: int
+    layers: int
+    pre: bool
+    post: bool
+
+    @classmethod
+    def whole(cls, layout: Layout) -> Stage:
+        return cls(0, layout.layers, pre=True, post=True)
+
+    @classmethod
+    def of(cls, layout: Layout, rank: int, size: int) -> Stage:
+        """Pipeline rank `rank` of `size`: an equal share of the layers, in order."""
+        if layout.layers % size:
+            raise ValueError(f"pipeline parallel size {size} does not divide the model's {layout.layers} layers")
+        per_stage = layout.layers // size
+        return cls(rank * per_stage, per_stage, pre=rank == 0, post=rank == size - 1)
+
+    def layer_names(self) -> list[tuple[str, str]]:
+        """(HF prefix, megatron prefix) of each layer held: global HF index, local megatron index."""
+        return [(f"model.layers.{self.first_layer + i}.", f"decoder.layers.{i}.") for i in range(self.layers)]
+
+    def tied_copy(self, layout: Layout) -> bool:
+        """This stage holds the output-layer copy of a tied embedding (last stage of several)."""
+        return layout.tied and self.post and not self.pre
 
 
 def _shard(tensor: torch.Tensor, dim: int, rank: int, tp: int) -> torch.Tensor:
@@ -101,21 +133,31 @@ def _pad_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
         else table
 
 
-def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: Layout, *, rank: int = 0, tp: int = 1
-                   ) -> dict[str, torch.Tensor]:
-    """The megatron state of tensor-parallel rank `rank` of `tp`, from a Hugging Face state dict."""
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: Layout, *, rank: int = 0, tp: int = 1,
+                   stage: Stage | None = None) -> dict[str, torch.Tensor]:
+    """The megatron state of tensor-parallel rank `rank` of `tp` (and of pipeline stage `stage`, by
+    default the whole model), from a Hugging Face state dict holding at least that stage's tensors."""
     layout.check_tp(tp)
-    missing = [name for name in _hf_names(layout) if name not in hf]
+    stage = stage or Stage.whole(layout)
+    needed = hf_names(layout, stage) + (["model.embed_tokens.weight"] if stage.tied_copy(layout) else [])
+    missing = [name for name in needed if name not in hf]
     if missing:
         raise KeyError(f"the Hugging Face weights lack {missing[:4]}{' …' if len(missing) > 4 else ''}")
     vocab_rows = layout.padded_vocab(tp)
-    out = {"embedding.word_embeddings.weight": _shard(_pad_rows(hf["model.embed_tokens.weight"], vocab_rows), 0,
-                                                      rank, tp),
-           "decoder.final_layernorm.weight": hf["model.norm.weight"].clone()}
-    if not layout.tied:
-        out["output_layer.weight"] = _shard(_pad_rows(hf["lm_head.weight"], vocab_rows), 0, rank, tp)
-    for i in range(layout.layers):
-        h, m = _layer(i)
+
+    def vocabulary(name: str) -> torch.Tensor:
+        return _shard(_pad_rows(hf[name], vocab_rows), 0, rank, tp)
+
+    out = {}
+    if stage.pre:
+        out["embedding.word_embeddings.weight"] = vocabulary("model.embed_tokens.weight")
+    if stage.post:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
+        if not layout.tied:
+            out["output_layer.weight"] = vocabulary("lm_head.weight")
+        elif stage.tied_copy(layout):
+            out["output_layer.weight"] = vocabulary("model.embed_tokens.weight")
+    for h, m in stage.layer_names():
         attn = h + "self_attn."
         qkv = _fuse_qkv(hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"], layout)
         out[m + "self_attention.linear_qkv.weight"] = _shard(qkv, 0, rank, tp)
@@ -131,21 +173,26 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: Layout, *, rank: int 
     return out
 
 
-def megatron_to_hf(shards: list[Mapping[str, torch.Tensor]], layout: Layout) -> dict[str, torch.Tensor]:
-    """The Hugging Face state dict (tied embeddings once, as `model.embed_tokens.weight`) from the
-    megatron states of every tensor-parallel rank, in rank order."""
+def megatron_to_hf(shards: list[Mapping[str, torch.Tensor]], layout: Layout, stage: Stage | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """The Hugging Face state dict of `stage` (by default the whole model; tied embeddings once, as
+    `model.embed_tokens.weight`, from the first stage) from the megatron states of every
+    tensor-parallel rank of that stage, in rank order."""
     tp = len(shards)
     first = shards[0]
+    stage = stage or Stage.whole(layout)
 
     def gathered(name: str, dim: int) -> torch.Tensor:
         return torch.cat([shard[name] for shard in shards], dim=dim)
 
-    out = {"model.embed_tokens.weight": gathered("embedding.word_embeddings.weight", 0)[:layout.vocab].clone(),
-           "model.norm.weight": first["decoder.final_layernorm.weight"].clone()}
-    if not layout.tied:
-        out["lm_head.weight"] = gathered("output_layer.weight", 0)[:layout.vocab].clone()
-    for i in range(layout.layers):
-        h, m = _layer(i)
+    out = {}
+    if stage.pre:
+        out["model.embed_tokens.weight"] = gathered("embedding.word_embeddings.weight", 0)[:layout.vocab].clone()
+    if stage.post:
+        out["model.norm.weight"] = first["decoder.final_layernorm.weight"].clone()
+        if not layout.tied:
+            out["lm_head.weight"] = gathered("output_layer.weight", 0)[:layout.vocab].clone()
+    for h, m in stage.layer_names():
         attn = h + "self_attn."
         q, k, v = _split_qkv(gathered(m + "self_attention.linear_qkv.weight", 0), layout)
         out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v})
@@ -171,10 +218,12 @@ def _check_replicas(shards: list[Mapping[str, torch.Tensor]]) -> None:
             raise ValueError(f"{name} differs between tensor-parallel ranks")
 
 
-def _hf_names(layout: Layout) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if layout.tied else ["lm_head.weight"])
-    for i in range(layout.layers):
-        h = f"model.layers.{i}."
+def hf_names(layout: Layout, stage: Stage | None = None) -> list[str]:
+    """The Hugging Face names of the tensors `stage` (by default the whole model) exports."""
+    stage = stage or Stage.whole(layout)
+    names = (["model.embed_tokens.weight"] if stage.pre else []) \
+        + (["model.norm.weight"] + ([] if layout.tied else ["lm_head.weight"]) if stage.post else [])
+    for h, _ in stage.layer_names():
         names += [h + f"self_attn.{p}_proj.weight" for p in "qkvo"]
         names += [h + f"self_attn.{p}_proj.bias" for p in "qkv"] if layout.qkv_bias else []
         names += [h + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]

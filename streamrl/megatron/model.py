@@ -16,7 +16,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from streamrl.megatron.convert import Layout
+from streamrl.megatron.convert import Layout, Stage
 
 
 def rope_theta(config: Any) -> float:
@@ -42,32 +42,54 @@ def transformer_config(config: Any, layout: Layout) -> TransformerConfig:
         bias_activation_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-        use_cpu_initialization=True, params_dtype=torch.float32, bf16=False, fp16=False)
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        pipeline_dtype=torch.float32, use_cpu_initialization=True, params_dtype=torch.float32, bf16=False, fp16=False)
 
 
-def build_model(config: Any) -> tuple[GPTModel, Layout]:
-    """An untrained GPTModel for this rank (load weights with `load_state_dict` from `convert`)."""
+def build_model(config: Any) -> tuple[GPTModel, Layout, Stage]:
+    """An untrained GPTModel for this rank's pipeline stage (load weights with `load_state_dict` from
+    `convert`). Over several stages a tied embedding is built untied, its last-stage copy marked
+    `shared` (megatron-core's own attribute: counted once in the gradient norm) and kept equal to the
+    first stage's by summing their gradients (`streamrl.megatron.pipeline.sum_tied_embedding_grads`):
+    megatron-core's own tying across stages moves the weight to CUDA, so it cannot run on CPU."""
     layout = Layout.from_hf(config)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     layout.check_tp(tp)
+    stage = Stage.of(layout, parallel_state.get_pipeline_model_parallel_rank(),
+                     parallel_state.get_pipeline_model_parallel_world_size())
     model = GPTModel(config=transformer_config(config, layout),
                      transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
                      vocab_size=layout.padded_vocab(tp), max_sequence_length=config.max_position_embeddings,
-                     position_embedding_type="rope", rotary_base=rope_theta(config),
-                     share_embeddings_and_output_weights=layout.tied, parallel_output=True)
+                     pre_process=stage.pre, post_process=stage.post, position_embedding_type="rope",
+                     rotary_base=rope_theta(config),
+                     share_embeddings_and_output_weights=layout.tied and stage.pre and stage.post,
+                     parallel_output=True)
+    if stage.tied_copy(layout):
+        model.output_layer.weight.shared = True
     if torch.cuda.is_available():
         model.cuda()  # built on the CPU (use_cpu_initialization): the weights are loaded over it anyway
-    return model, layout
+    return model, layout, stage
+
+
+def attention_inputs(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and the causal mask of right-padded rows (a causal mask is enough: padding follows
+    every real token)."""
+    n, width = input_ids.shape
+    positions = torch.arange(width, device=input_ids.device).expand(n, width)
+    causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=input_ids.device), diagonal=1)
+    return positions, causal[None, None]
 
 
 def token_logprobs(model: GPTModel, layout: Layout, input_ids: torch.Tensor, *, temperature: float = 1.0
                    ) -> torch.Tensor:
-    """[n, w − 1] log-probs of tokens 1..w−1 of right-padded rows (a causal mask is enough: padding
-    follows every real token). Vocabulary-parallel: the padded vocabulary rows are masked out."""
-    n, width = input_ids.shape
-    positions = torch.arange(width, device=input_ids.device).expand(n, width)
-    causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=input_ids.device), diagonal=1)
-    logits = model(input_ids, positions, causal[None, None])  # [n, w, vocab / tp]
+    """[n, w − 1] log-probs of tokens 1..w−1 of right-padded rows, on a model that is one whole stage."""
+    return logits_logprobs(model(input_ids, *attention_inputs(input_ids)), layout, input_ids, temperature=temperature)
+
+
+def logits_logprobs(logits: torch.Tensor, layout: Layout, input_ids: torch.Tensor, *, temperature: float = 1.0
+                    ) -> torch.Tensor:
+    """[n, w − 1] log-probs of tokens 1..w−1 from this TP rank's [n, w, vocab / tp] logits.
+    Vocabulary-parallel: the padded vocabulary rows are masked out."""
     logits = logits[:, :-1].transpose(0, 1) / temperature  # [w − 1, n, vocab / tp], megatron's order
     shard = logits.shape[-1]
     first = parallel_state.get_tensor_model_parallel_rank() * shard

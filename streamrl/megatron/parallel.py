@@ -14,19 +14,20 @@ from streamrl.runtime.net import free_port
 
 
 def initialize(*, rank: int = 0, world_size: int = 1, tensor_parallel: int = 1, data_parallel: int = 1,
-               master_addr: str = "127.0.0.1", master_port: int | None = None, seed: int = 0,
+               pipeline_parallel: int = 1, master_addr: str = "127.0.0.1", master_port: int | None = None, seed: int = 0,
                timeout_s: float = 600.0) -> None:
     """Join (or, with world size 1, form) the trainer's process group and split it into model-parallel
     groups. Without CUDA, megatron-core's two CUDA calls are replaced (see `streamrl.megatron.cpu`).
     `timeout_s` bounds joining and every collective: a rank that died fails the others instead of
     leaving them waiting.
 
-    megatron-core derives the data-parallel size as world / TP and numbers ranks TP-fastest (its
-    default order `tp-cp-ep-dp-pp`): global rank = DP rank × TP + TP rank, so a TP group is a run of
-    adjacent ranks and DP rank 0's TP group is ranks 0..TP−1."""
-    if world_size != tensor_parallel * data_parallel:
+    megatron-core derives the data-parallel size as world / (TP × PP) and numbers ranks TP-fastest (its
+    default order `tp-cp-ep-dp-pp`): global rank = (PP rank × DP + DP rank) × TP + TP rank, so a TP
+    group is a run of adjacent ranks, the first pipeline stage is ranks 0..TP × DP − 1 and global rank
+    0 is TP, DP and PP rank 0."""
+    if world_size != tensor_parallel * data_parallel * pipeline_parallel:
         raise ValueError(f"{world_size} trainer ranks are not tensor parallel {tensor_parallel} × data parallel "
-                         f"{data_parallel}")
+                         f"{data_parallel} × pipeline parallel {pipeline_parallel}")
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
@@ -38,7 +39,8 @@ def initialize(*, rank: int = 0, world_size: int = 1, tensor_parallel: int = 1, 
             os.environ["MASTER_ADDR"] = master_addr
             os.environ["MASTER_PORT"] = str(master_port if master_port is not None else free_port())
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)  # DP = world / TP
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,  # DP = world / (TP × PP)
+                                             pipeline_model_parallel_size=pipeline_parallel)
     tensor_rank = parallel_state.get_tensor_model_parallel_rank()
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

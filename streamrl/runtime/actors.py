@@ -393,7 +393,7 @@ def _make_learner(run_name: str, cfg: RunConfig, config: dict[str, Any], model_d
     from streamrl.trainer.megatron_trainer import MegatronTrainer
     from streamrl.trainer.ranks import MegatronRank, RankGroup
 
-    world = cfg.trainer.tensor_parallel * cfg.trainer.data_parallel
+    world = cfg.trainer.ranks
     if world == 1:
         return MegatronTrainer(model_dir, **common)
     address, port = ray.util.get_node_ip_address(), free_port()

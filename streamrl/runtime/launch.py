@@ -63,7 +63,8 @@ def model_facts(config: RunConfig) -> dict[str, Any]:
     if config.model.path is None:
         from streamrl.tasks.reverse import CharVocab
 
-        return {"vocab_size": len(CharVocab()), "max_position_embeddings": config.model.max_positions}
+        return {"vocab_size": len(CharVocab()), "max_position_embeddings": config.model.max_positions,
+                "num_hidden_layers": config.model.num_layers}
     model_dir = Path(config.model.path).expanduser()
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model.path {str(model_dir)!r} is not a Hugging Face model directory (no config.json)")
@@ -88,6 +89,10 @@ def check_model_and_task(config: RunConfig) -> None:
     """Cross-checks between the model's files and the task, before anything is created."""
     facts = model_facts(config)
     positions = facts.get("max_position_embeddings")
+    layers, stages = facts.get("num_hidden_layers"), config.trainer.pipeline_parallel
+    if layers is not None and layers % stages:
+        raise ConfigError(f"trainer.pipeline_parallel={stages} does not divide the model's {layers} layers "
+                          "(num_hidden_layers): every stage holds the same number of layers")
     if config.task.kind == "file":
         from transformers import AutoTokenizer
 
@@ -118,21 +123,22 @@ def check_model_and_task(config: RunConfig) -> None:
 def check_resources(config: RunConfig) -> None:
     """Refuse a run the cluster cannot place (Ray would wait for the resources forever)."""
     cluster = ray.cluster_resources()
-    ranks = config.trainer.tensor_parallel * config.trainer.data_parallel
+    ranks = config.trainer.ranks
     for kind, field in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
         wanted = ranks * getattr(config.trainer, field) + config.producers.count * getattr(config.producers, field)
         have = cluster.get(kind, 0)
         if wanted > have:
-            raise ConfigError(f"the run reserves {wanted:g} {kind}s (trainer.tensor_parallel × trainer.data_parallel "
-                              f"× trainer.{field} + producers.count × producers.{field}) but the Ray cluster has "
+            raise ConfigError(f"the run reserves {wanted:g} {kind}s (trainer.tensor_parallel × data_parallel × "
+                              f"pipeline_parallel × trainer.{field} + producers.count × producers.{field}) but the Ray cluster has "
                               f"{have:g}")
 
 
 def trainer_placement(config: RunConfig):
-    """A STRICT_PACK placement group with one bundle per trainer rank, TP × DP (None for one rank): the
-    TP ranks talk at every layer, the DP ranks at every optimizer step, DP rank 0's TP ranks write
-    their optimizer shards into one checkpoint directory and every DP rank reads them back on resume."""
-    ranks = config.trainer.tensor_parallel * config.trainer.data_parallel
+    """A STRICT_PACK placement group with one bundle per trainer rank, TP × DP × PP (None for one rank):
+    the TP ranks talk at every layer, the PP stages at every micro-batch, the DP ranks at every
+    optimizer step; DP rank 0's TP and PP ranks write their optimizer shards into one checkpoint
+    directory and every DP rank reads them back on resume."""
+    ranks = config.trainer.ranks
     if ranks == 1:
         return None
     bundle = {"CPU": config.trainer.num_cpus or 0.001}  # a bundle may not be empty
@@ -143,7 +149,7 @@ def trainer_placement(config: RunConfig):
     if not ready:
         ray.util.remove_placement_group(group)
         raise ConfigError(f"no node can hold the trainer's {ranks} ranks (trainer.tensor_parallel × "
-                          f"trainer.data_parallel, {bundle} each) together")
+                          f"data_parallel × pipeline_parallel, {bundle} each) together")
     return group
 
 

@@ -17,6 +17,7 @@ identical weights and optimizer state: exports and checkpoints come from DP rank
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +28,9 @@ from megatron.core import parallel_state, tensor_parallel
 from streamrl.config import TrainerSection
 from streamrl.correction import LossConfig
 from streamrl.megatron import parallel
-from streamrl.megatron.convert import hf_to_megatron, megatron_to_hf
-from streamrl.megatron.model import build_model, token_logprobs
+from streamrl.megatron.convert import Stage, hf_names, hf_to_megatron, megatron_to_hf
+from streamrl.megatron.model import attention_inputs, build_model, logits_logprobs, token_logprobs
+from streamrl.megatron.pipeline import PipelineGroup, Schedule, sum_tied_embedding_grads
 from streamrl.models.hf import default_device, load_policy
 from streamrl.trainer.torch_trainer import TorchTrainer
 
@@ -40,16 +42,18 @@ class MegatronTrainer(TorchTrainer):
                  temperature: float = 1.0, version: int = 0, seed: int = 0, rank: int = 0, world_size: int = 1,
                  master_addr: str = "127.0.0.1", master_port: int | None = None):
         parallel.initialize(rank=rank, world_size=world_size, tensor_parallel=trainer.tensor_parallel,
-                            data_parallel=trainer.data_parallel, master_addr=master_addr, master_port=master_port,
+                            data_parallel=trainer.data_parallel, pipeline_parallel=trainer.pipeline_parallel,
+                            master_addr=master_addr, master_port=master_port,
                             seed=seed, timeout_s=trainer.collective_timeout_s)
         # The Hugging Face model stays as the mirror the weights are exported through (eval, save).
         self.mirror, self.tokenizer = load_policy(model_dir, train=False)
-        self.model, self.layout = build_model(self.mirror.config)
+        self.model, self.layout, self.stage = build_model(self.mirror.config)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp = parallel_state.get_data_parallel_world_size()
-        shard = hf_to_megatron(self.mirror.state_dict(), self.layout, rank=self.tp_rank, tp=self.tp)
+        self.pipeline = PipelineGroup.current()
+        shard = hf_to_megatron(self.mirror.state_dict(), self.layout, rank=self.tp_rank, tp=self.tp, stage=self.stage)
         missing, unexpected = self.model.load_state_dict(shard, strict=False)
         missing = [name for name in missing if not name.endswith("_extra_state")]
         if missing or unexpected:
@@ -59,10 +63,45 @@ class MegatronTrainer(TorchTrainer):
 
     @property
     def optimizer_file(self) -> str:
-        return "optimizer.pt" if self.tp == 1 else f"optimizer.tp{self.tp_rank}.pt"
+        """This rank's optimizer state: one file per tensor-parallel rank and pipeline stage."""
+        parts = ([f"tp{self.tp_rank}"] if self.tp > 1 else []) + ([f"pp{self.pipeline.rank}"]
+                                                                 if self.pipeline.size > 1 else [])
+        return ".".join(["optimizer", *parts, "pt"])
 
     def _token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return token_logprobs(self.model, self.layout, input_ids, temperature=self.temperature)
+
+    # ---- pipeline parallel: the micro-batches go through the stages in 1F1B order ------------------------
+    def _schedule(self, lengths: np.ndarray, parts: list[np.ndarray]) -> Schedule:
+        shapes = [(int(lengths[rows].max()), len(rows), self.layout.hidden) for rows in parts]
+        return Schedule(self.pipeline, shapes, device=self.device, dtype=torch.float32)
+
+    def _stage_forward(self, batch, lengths: np.ndarray, rows: np.ndarray, received: torch.Tensor | None
+                       ) -> torch.Tensor:
+        """This stage's output for `rows`: hidden states for the next stage, or (last stage) θ log-probs."""
+        input_ids = batch.input_ids[torch.from_numpy(rows), :int(lengths[rows].max())]
+        self.model.set_input_tensor(received)  # the previous stage's activations (None on the first)
+        output = self.model(input_ids, *attention_inputs(input_ids))
+        if not self.stage.post:
+            return output
+        return logits_logprobs(output, self.layout, input_ids, temperature=self.temperature)
+
+    def _forward_only(self, batch, lengths: np.ndarray, parts: list[np.ndarray]) -> list[torch.Tensor]:
+        if self.pipeline.size == 1:
+            return super()._forward_only(batch, lengths, parts)
+        return self._schedule(lengths, parts).forward_only(
+            lambda i, received: self._stage_forward(batch, lengths, parts[i], received))
+
+    def _accumulate_gradients(self, batch, lengths: np.ndarray, parts: list[np.ndarray],
+                              loss_of: Callable[[np.ndarray, torch.Tensor], torch.Tensor]) -> None:
+        if self.pipeline.size == 1:
+            return super()._accumulate_gradients(batch, lengths, parts, loss_of)
+
+        def forward(i: int, received: torch.Tensor | None) -> torch.Tensor:
+            output = self._stage_forward(batch, lengths, parts[i], received)
+            return loss_of(parts[i], output) if self.stage.post else output
+
+        self._schedule(lengths, parts).forward_backward(forward)
 
     def _shard(self, rows: np.ndarray) -> np.ndarray:
         """Groups d, d + DP, d + 2·DP, ... of the mini-batch for DP rank d: whole groups (a mini-batch's
@@ -73,9 +112,15 @@ class MegatronTrainer(TorchTrainer):
         return rows.reshape(-1, self.group_size)[self.dp_rank::self.dp].ravel()
 
     def _reduce_metrics(self, totals: dict[str, float]) -> dict[str, float]:
-        """Each DP rank's metrics are already weighted by its tokens' share of the whole step (and its
-        loss divided by the whole mini-batch's tokens), so the step's are their sums; extremes are the
-        extremes over the ranks. Gathered as objects: a dozen floats, once per step."""
+        """The loss and its metrics are computed on the last pipeline stage: sent to the other stages
+        first. Each DP rank's metrics are already weighted by its tokens' share of the whole step (and
+        its loss divided by the whole mini-batch's tokens), so the step's are their sums; extremes are
+        the extremes over the ranks. Sent as objects: a dozen floats, once per step."""
+        if self.pipeline.size > 1:
+            carried = [totals]
+            dist.broadcast_object_list(carried, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                       group=parallel_state.get_pipeline_model_parallel_group())
+            totals = carried[0]
         if self.dp == 1:
             return totals
         gathered: list[dict[str, float]] = [{} for _ in range(self.dp)]
@@ -117,19 +162,24 @@ class MegatronTrainer(TorchTrainer):
 
     def _clip_gradients(self) -> torch.Tensor:
         """torch's `clip_grad_norm_` over the whole model, after the gradients are summed over the DP
-        group: a sharded parameter's squares summed over the TP group, a replicated one counted once.
-        Every rank sees the same norm, so all take the step or all roll back; the non-finite flag is
-        all-reduced over every rank all the same, so that no rank can step alone."""
+        group (and a tied embedding's two copies over the pipeline's ends): a sharded parameter's
+        squares summed over the TP group, each stage's over the pipeline, a replicated one and the
+        tied copy counted once. Every rank sees the same norm, so all take the step or all roll back;
+        the non-finite flag is all-reduced over every rank all the same, so that no rank can step alone."""
+        sum_tied_embedding_grads(self.model, tied=self.layout.tied)
         if self.dp > 1:
             self._reduce_gradients()
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         counted = [p.grad for p in self.model.parameters()
-                   if p.grad is not None and tensor_parallel.param_is_not_tensor_parallel_duplicate(p)]
+                   if p.grad is not None and tensor_parallel.param_is_not_tensor_parallel_duplicate(p)
+                   and not getattr(p, "shared", False)]
         squares = torch.stack([g.detach().pow(2).sum() for g in counted]).sum()
         if self.tp > 1:
             dist.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
+        if self.pipeline.size > 1:
+            dist.all_reduce(squares, group=parallel_state.get_pipeline_model_parallel_group())
         norm = squares.sqrt()
-        if self.tp * self.dp > 1:
+        if self.tp * self.dp * self.pipeline.size > 1:
             bad = (~torch.isfinite(norm)).to(norm.dtype)
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
             if bad.item():
@@ -141,15 +191,22 @@ class MegatronTrainer(TorchTrainer):
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The whole model in Hugging Face names, in host memory, on global rank 0 (the other ranks
-        return {}): a collective over DP rank 0's TP group, every rank calls it (the other DP ranks hold
-        the same weights and return at once). Tensor by tensor, so no rank holds more than one
-        gathered tensor on its device at a time."""
+        return {}): every rank calls it. DP rank 0 of each stage gathers its TP group's shards; the
+        other DP ranks hold the same weights and return at once; later stages send theirs to rank 0.
+        Tensor by tensor, so no rank holds more than one gathered tensor on its device at a time."""
         if self.dp_rank != 0:
             return {}
+        state = self._stage_hf_state()
+        if self.pipeline.size == 1 or self.tp_rank != 0:
+            return state
+        return self._collect_stages(state)
+
+    def _stage_hf_state(self) -> dict[str, torch.Tensor]:
+        """This stage's tensors in HF names on its TP rank 0 (the other TP ranks return {})."""
         local = {name: tensor.detach() for name, tensor in self.model.state_dict().items()
                  if isinstance(tensor, torch.Tensor)}
         if self.tp == 1:
-            return {name: t.cpu() for name, t in megatron_to_hf([local], self.layout).items()}
+            return {name: t.cpu() for name, t in megatron_to_hf([local], self.layout, self.stage).items()}
         shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
         group = parallel_state.get_tensor_model_parallel_group()
         root = parallel_state.get_tensor_model_parallel_src_rank()  # global rank of TP rank 0
@@ -159,7 +216,23 @@ class MegatronTrainer(TorchTrainer):
             if gathered is not None:
                 for rank, part in enumerate(gathered):
                     shards[rank][name] = part.cpu()
-        return megatron_to_hf(shards, self.layout) if self.tp_rank == 0 else {}
+        return megatron_to_hf(shards, self.layout, self.stage) if self.tp_rank == 0 else {}
+
+    def _collect_stages(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Stage s > 0's TP-and-DP rank 0 sends its tensors to global rank 0, one at a time in
+        `hf_names` order; rank 0 knows their shapes from its Hugging Face mirror."""
+        pipeline_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+        if not self.pipeline.first:
+            for name in hf_names(self.layout, self.stage):
+                dist.send(state[name].to(self.device), dst=pipeline_ranks[0])
+            return {}
+        mirror = self.mirror.state_dict()
+        for stage_rank in range(1, self.pipeline.size):
+            for name in hf_names(self.layout, Stage.of(self.layout, stage_rank, self.pipeline.size)):
+                received = torch.empty(mirror[name].shape, dtype=torch.float32, device=self.device)
+                dist.recv(received, src=pipeline_ranks[stage_rank])
+                state[name] = received.cpu()
+        return state
 
     @torch.no_grad()
     def hf_model(self):
@@ -181,11 +254,11 @@ class MegatronTrainer(TorchTrainer):
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)  # DP rank 0's TP ranks write their optimizer state here
+        directory.mkdir(parents=True, exist_ok=True)  # DP rank 0's TP and PP ranks write optimizer state here
         model = self.hf_model()  # collective: before any rank-0-only work
         if self.dp_rank != 0:
             return  # the same weights and optimizer state as DP rank 0's; on resume it reads that rank's files
-        if self.tp_rank == 0:
+        if self.tp_rank == 0 and self.pipeline.first:
             model.save_pretrained(directory / "model")
             self.tokenizer.save_pretrained(directory / "model")
             (directory / "trainer.json").write_text(json.dumps({"version": self.version}))

@@ -1,5 +1,5 @@
 """A tensor- and data-parallel megatron trainer over Ray actors: rank 0 lives in the trainer actor,
-ranks 1..N−1 (N = TP × DP; rank = DP rank × TP + TP rank) in actors of their own, and every call runs
+ranks 1..N−1 (N = TP × DP × PP; see `streamrl.megatron.parallel` for the numbering) in actors of their own, and every call runs
 on all of them at once (the collectives inside pair them).
 
 ```

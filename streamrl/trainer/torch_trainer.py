@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -151,13 +151,26 @@ class TorchTrainer:
         """p for the rows `mine` (the others stay 0): the weights at the start of the step, before any
         mini-batch moved them."""
         proximal = torch.zeros_like(batch.behavior_logprobs[:, 1:])
-        for local in micro_batches(lengths[mine], self.config.micro_batch_tokens):
-            rows = mine[local]
-            width = int(lengths[rows].max())
-            rows_t = torch.from_numpy(rows)
-            proximal[rows_t, :width - 1] = self._token_logprobs(batch.input_ids[rows_t, :width],
-                                                                batch.attention_mask[rows_t, :width])
+        parts = [mine[local] for local in micro_batches(lengths[mine], self.config.micro_batch_tokens)]
+        for rows, logprobs in zip(parts, self._forward_only(batch, lengths, parts)):
+            proximal[torch.from_numpy(rows), :logprobs.shape[1]] = logprobs
         return proximal
+
+    def _forward_only(self, batch, lengths: np.ndarray, parts: list[np.ndarray]) -> list[torch.Tensor]:
+        """θ log-probs of each micro-batch's rows (a pipeline's other stages than the last: none)."""
+        return [self._micro_batch_logprobs(batch, lengths, rows) for rows in parts]
+
+    def _micro_batch_logprobs(self, batch, lengths: np.ndarray, rows: np.ndarray) -> torch.Tensor:
+        """[n, w − 1] θ log-probs of `rows`, cut to their longest row w."""
+        width = int(lengths[rows].max())
+        rows_t = torch.from_numpy(rows)
+        return self._token_logprobs(batch.input_ids[rows_t, :width], batch.attention_mask[rows_t, :width])
+
+    def _accumulate_gradients(self, batch, lengths: np.ndarray, parts: list[np.ndarray],
+                              loss_of: Callable[[np.ndarray, torch.Tensor], torch.Tensor]) -> None:
+        """Backward of each micro-batch's loss (`loss_of(rows, θ log-probs)`) into `.grad`."""
+        for rows in parts:
+            loss_of(rows, self._micro_batch_logprobs(batch, lengths, rows)).backward()
 
     def _optimizer_step(self, batch, rows: np.ndarray, lengths: np.ndarray, mask: torch.Tensor, adv: torch.Tensor,
                         proximal: torch.Tensor | None, totals: dict[str, float], *, step_tokens: int) -> float:
@@ -171,22 +184,23 @@ class TorchTrainer:
         denominator = float(max(tokens, 1)) if self.loss_fn.keywords["aggregation"] == "token_mean" \
             else float(len(rows))
         self.optimizer.zero_grad(set_to_none=True)
-        mine = self._shard(rows)
-        for local in micro_batches(lengths[mine], self.config.micro_batch_tokens):
-            part = mine[local]
-            width = int(lengths[part].max())
-            rows_t = torch.from_numpy(part)
-            theta = self._token_logprobs(batch.input_ids[rows_t, :width], batch.attention_mask[rows_t, :width])
-            cut = slice(0, width - 1)
+
+        def loss_of(part: np.ndarray, theta: torch.Tensor) -> torch.Tensor:
+            rows_t, cut = torch.from_numpy(part), slice(0, theta.shape[1])
             loss, metrics = self.loss_fn(
                 PolicyBatch(logprobs=theta, behavior_logprobs=behavior[rows_t, cut], advantages=adv[rows_t, cut],
                             mask=mask[rows_t, cut],
                             proximal_logprobs=theta.detach() if proximal is None else proximal[rows_t, cut],
                             versions=versions[rows_t, cut]),
                 denominator=denominator, trainer_version=self.version)
-            loss.backward()
             within = float(mask[rows_t].sum()) / max(tokens, 1)
             _accumulate(totals, metrics, share=share * within, loss=share * float(loss.detach()))
+            return loss
+
+        mine = self._shard(rows)
+        self._accumulate_gradients(batch, lengths, [mine[local] for local in
+                                                    micro_batches(lengths[mine], self.config.micro_batch_tokens)],
+                                   loss_of)
         grad_norm = self._clip_gradients()
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
