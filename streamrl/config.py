@@ -134,12 +134,14 @@ class SglangSection(_Section):
     """The command before the server flags; None: `python -m sglang.launch_server`."""
     extra_args: list[str] = []
     startup_timeout_s: float = Field(600.0, gt=0)
-    weights: Literal["disk", "distributed"] = "disk"
+    weights: Literal["disk", "distributed", "tensor"] = "disk"
     """How a producer puts new weights into its servers: "disk" writes safetensors and calls
     /update_weights_from_disk; "distributed" broadcasts them from the producer over one process group
-    per server (/init_weights_update_group, /update_weights_from_distributed; NCCL on GPUs, gloo on CPU)."""
+    per server (/init_weights_update_group, /update_weights_from_distributed; NCCL on GPUs, gloo on CPU);
+    "tensor" copies them bucket by bucket onto the server's GPU and passes CUDA IPC handles
+    (/update_weights_from_tensor; one bucket of GPU memory in the producer, no disk, no group)."""
     bucket_mb: int = Field(512, ge=1)
-    """"distributed": tensors broadcast per /update_weights_from_distributed call, in MiB (a larger one alone)."""
+    """"distributed" and "tensor": tensors per call, in MiB (a larger one alone)."""
     weights_timeout_s: float = Field(300.0, gt=0)
     """"distributed": longest wait to form a group or move one bucket (a dead server cannot hang the producer)."""
 
@@ -273,6 +275,10 @@ class RunConfig(_Section):
             raise ValueError(f"producers.num_gpus={self.producers.num_gpus:g} is fewer than the "
                              f"{sg.servers * sg.tensor_parallel} GPUs its sglang servers use "
                              "(producers.sglang.servers × producers.sglang.tensor_parallel)")
+        if self.producers.engine == "sglang" and sg.weights == "distributed" and gpus and sg.servers == 1:
+            raise ValueError("producers.sglang.weights = 'distributed' on GPUs needs producers.sglang.servers >= 2: "
+                             "a server's weights are sent from another server's GPU (NCCL refuses two ranks of a "
+                             "group on one device); with one server use 'tensor' (CUDA IPC) or 'disk'")
         for kind in ("tensor_parallel", "data_parallel", "pipeline_parallel"):
             size = getattr(self.trainer, kind)
             if size > 1 and self.trainer.backend != "megatron":

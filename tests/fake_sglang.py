@@ -8,7 +8,8 @@ Requests queue while generation is paused; `pause_generation` with mode "abort" 
 requests with finish reason abort and the tokens made so far. `GET /fake/calls` lists the calls in order.
 `/init_weights_update_group` joins the sender's process group (as sglang: a TCPStore at the master
 address, a `PrefixStore` named after the group; gloo here) and `/update_weights_from_distributed`
-receives each announced tensor by broadcast from rank 0; `GET /fake/weights_digest` is a sha256 over
+receives each announced tensor by broadcast from rank 0; `/update_weights_from_tensor` unpickles
+sglang's serialized tensors (CUDA IPC handles on a GPU); `GET /fake/weights_digest` is a sha256 over
 the received names and bytes (`weights_digest`). torch is imported only when those are used.
 With `--api-key`, as sglang: every path but `/health*` needs `Authorization: Bearer KEY`, else 401
 `{"error": "Unauthorized"}` (the refused request is not recorded).
@@ -144,6 +145,25 @@ def update_weights_from_distributed(state: State, body: dict) -> tuple[int, dict
     return 200, {"success": True, "message": "Succeeded to update parameter online."}
 
 
+def update_weights_from_tensor(state: State, body: dict) -> tuple[int, dict]:
+    """sglang's `MultiprocessingSerializer` payload, one per server TP rank: base64 of a pickle of
+    [(name, tensor)] (CUDA tensors as IPC handles, opened by unpickling); copied out, as sglang does."""
+    import base64
+    import pickle
+
+    if body.get("load_format") is not None:
+        return 400, {"success": False, "message": f"load_format {body['load_format']!r} is not the stand-in's"}
+    ranks = [pickle.loads(base64.b64decode(entry)) for entry in body["serialized_named_tensors"]]
+    if not ranks or any([n for n, _ in rank] != [n for n, _ in ranks[0]] for rank in ranks[1:]):
+        return 400, {"success": False, "message": "every TP rank needs the same named tensors"}
+    time.sleep(state.update_delay_s)
+    with state.cond:
+        state.weights.update((name, tensor.detach().to("cpu", copy=True)) for name, tensor in ranks[0])
+        if body.get("weight_version") is not None:
+            state.weight_version = str(body["weight_version"])
+    return 200, {"success": True, "message": "Succeeded to update model weights."}
+
+
 def handle(state: State, path: str, body: dict) -> tuple[int, dict]:
     if path == "/generate":
         return 200, generate(state, body)
@@ -151,6 +171,8 @@ def handle(state: State, path: str, body: dict) -> tuple[int, dict]:
         return 200, init_weights_update_group(state, body)  # blocks until every rank has joined
     if path == "/update_weights_from_distributed":
         return update_weights_from_distributed(state, body)
+    if path == "/update_weights_from_tensor":
+        return update_weights_from_tensor(state, body)
     with state.cond:
         if path == "/pause_generation":
             state.paused = True
@@ -179,8 +201,6 @@ def handle(state: State, path: str, body: dict) -> tuple[int, dict]:
         if path in ("/release_memory_occupation", "/resume_memory_occupation"):
             state.released = path == "/release_memory_occupation"
             return 200, {"success": True}
-        if path == "/update_weights_from_tensor":
-            return 200, {"success": True, "message": "recorded (the fake server moves no tensors)"}
     if path == "/update_weights_from_disk":
         time.sleep(state.update_delay_s)  # loading takes time; other servers keep generating meanwhile
         if not (Path(body.get("model_path", "")) / "config.json").is_file():
@@ -239,7 +259,10 @@ def serve(args) -> None:
             if self._refused():
                 return
             with state.cond:
-                state.calls.append({"path": self.path, "t": time.time(), "body": body})
+                recorded = dict(body)
+                if "serialized_named_tensors" in body:  # the payload's size, not its bytes
+                    recorded["serialized_named_tensors"] = [len(e) for e in body["serialized_named_tensors"]]
+                state.calls.append({"path": self.path, "t": time.time(), "body": recorded})
                 if state.calls_log:
                     with open(state.calls_log, "a") as log:
                         log.write(f"{args.port} {self.path}\n")

@@ -39,6 +39,8 @@ def test_toml_file_plus_overrides_and_round_trip(tmp_path):
     (["producers.engine=sglang", "producers.num_gpus=1", "producers.sglang.servers=2"],
      r"producers\.num_gpus=1 is fewer than the 2 GPUs its sglang servers use"),
     (["trainer.tensor_parallel=2"], r"trainer\.tensor_parallel=2 needs trainer\.backend = 'megatron'"),
+    (["producers.engine=sglang", "producers.num_gpus=1", "producers.sglang.weights=distributed"],
+     r"producers\.sglang\.weights = 'distributed' on GPUs needs producers\.sglang\.servers >= 2"),
     (["producers.sglang.mem_fraction=1.5"], r"producers\.sglang\.mem_fraction: Input should be less than or equal to 1"),
     (["trainer.minibatches=33"], r"trainer\.minibatches=33 is more than queue\.groups_per_step=32"),
     (["trainer.minibatches=0"], r"trainer\.minibatches: Input should be greater than or equal to 1"),

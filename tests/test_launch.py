@@ -110,7 +110,7 @@ def test_the_megatron_trainer_runs_a_launch_and_resumes_from_its_own_checkpoint(
                                (1, 2): ["optimizer.pp0.pt", "optimizer.pp1.pt"]}[tp, pp]
 
 
-@pytest.mark.parametrize("weights", ["disk", "distributed"])
+@pytest.mark.parametrize("weights", ["disk", "distributed", "tensor"])
 def test_sglang_producers_run_a_launch_through_stand_in_servers(ray_local, tmp_path, weights):
     fake, log = os.path.join(os.path.dirname(__file__), "fake_sglang.py"), tmp_path / "calls.log"
     launcher = json.dumps([sys.executable, fake, "--token-delay-s", "0.001", "--update-delay-s", "0.01",
@@ -127,9 +127,12 @@ def test_sglang_producers_run_a_launch_through_stand_in_servers(ray_local, tmp_p
     loads = [line.split()[1] for line in log.read_text().splitlines() if "weights_from" in line]
     if weights == "disk":
         assert len(written) <= 2 and set(loads) == {"/update_weights_from_disk"}  # pruned as it went
-    else:  # broadcast: nothing on disk, one group per server
+    elif weights == "distributed":  # broadcast: nothing on disk, one group per server
         assert not written and set(loads) == {"/update_weights_from_distributed"}
         assert log.read_text().count("/init_weights_update_group") == 2
+    else:  # tensor handles: nothing on disk, no group
+        assert not written and set(loads) == {"/update_weights_from_tensor"}
+        assert "/init_weights_update_group" not in log.read_text()
     with pytest.raises(OSError):  # the servers stopped with their producer
         socket.create_connection(("127.0.0.1", 31700), timeout=1)
 
@@ -140,15 +143,17 @@ def test_colocated_servers_free_the_gpu_for_every_trainer_step(ray_local, tmp_pa
                            "--calls-log", str(log)])
     summary, run_dir = run_tiny(tmp_path, "coloc", "run.steps=3", "producers.engine=sglang", "producers.count=1",
                                 f"producers.sglang.launcher={launcher}", "producers.sglang.memory_saver=true",
-                                "producers.sglang.base_port=31720", "trainer.colocated=true", "run.eval_every=0")
+                                "producers.sglang.base_port=31720", "trainer.colocated=true", "run.eval_every=0",
+                                "producers.sglang.weights=tensor")
     assert summary["steps"] == 3
     calls = [line.split()[1] for line in log.read_text().splitlines()]
     turns = [c for c in calls if c.endswith("_memory_occupation")]
     assert turns == ["/release_memory_occupation", "/resume_memory_occupation"] * 3  # one turn per step
     released = False
-    for call in calls:  # a released server is never asked to generate (the stand-in would refuse it)
+    for call in calls:  # a released server is never asked to generate or load (its memory is gone)
         released = {"/release_memory_occupation": True, "/resume_memory_occupation": False}.get(call, released)
-        assert not (released and call == "/generate")
+        assert not (released and call in ("/generate", "/update_weights_from_tensor"))
+    assert calls.count("/update_weight_version") >= 2 and "/update_weights_from_tensor" in calls
 
 
 def test_resume_continues_without_losing_or_repeating_a_group(ray_local, tmp_path):

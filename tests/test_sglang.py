@@ -20,6 +20,7 @@ from streamrl.engine.sglang.engine import EngineLost, EnginePool, SglangEngine
 from streamrl.engine.sglang.server import ServerProcess, ServerSpec, group_members
 from streamrl.rollout.sglang_producer import disk_loader
 from streamrl.runtime.net import free_port
+from streamrl.weights.tensor_handles import tensor_loader
 
 FAKE = Path(__file__).with_name("fake_sglang.py")
 spec = importlib.util.spec_from_file_location("fake_sglang", FAKE)
@@ -100,14 +101,15 @@ def test_a_weight_update_mid_sample_continues_it_and_stamps_every_token_exactly(
     assert generates[1]["sampling_params"]["max_new_tokens"] == 150 - switch
 
 
-@pytest.mark.parametrize("path", ["disk", "distributed"])
+@pytest.mark.parametrize("path", ["disk", "distributed", "tensor"])
 def test_updating_one_engine_never_holds_up_another(weights_dir, path):
     from streamrl.weights.broadcast import UpdateGroups, distributed_loader
 
     servers = [start_fake("--token-delay-s", "0.002", "--update-delay-s", "1.0") for _ in range(2)]
     groups = UpdateGroups(timeout_s=30)
-    loader = (disk_loader(str(weights_dir)) if path == "disk" else
-              distributed_loader(groups, mixed_weights(3), 1 << 20))  # a slow broadcast into engine 0
+    loader = {"disk": lambda: disk_loader(str(weights_dir)),  # a slow load into engine 0
+              "distributed": lambda: distributed_loader(groups, mixed_weights(3), 1 << 20),
+              "tensor": lambda: tensor_loader(mixed_weights(3), 1 << 20)}[path]()
     try:
         pool = EnginePool([SglangEngine(SglangClient(s.url)) for s in servers])
         busy, done, stop = pool.engines[1], [], threading.Event()
@@ -128,7 +130,7 @@ def test_updating_one_engine_never_holds_up_another(weights_dir, path):
         assert paused >= 1.0  # engine 0 was loading for a second ...
         assert sum(began < t < ended for t in done) >= 10  # ... while engine 1 went on generating
         assert pool.engines[0].version == 3 and pool.engines[1].version == 0 and pool.version == 0
-        if path == "distributed":
+        if path != "disk":
             assert server_digest(servers[0]) == arrays_digest(mixed_weights(3))
     finally:
         groups.close()
@@ -227,7 +229,7 @@ def test_an_sglang_producer_feeds_the_queue_within_budget_with_exact_versions_an
     producer = SglangProducer(
         0, queue=queue, pool=EnginePool([SglangEngine(SglangClient(s.url), server=s) for s in servers]),
         task=SimTask(work), group_size=4, max_groups=4, max_new_tokens=24,
-        fetch=lambda have, timeout: registry.acquire(0, have, timeout), disk=DiskWeights(base, tmp_path / "w"),
+        fetch=lambda have, timeout: registry.acquire(0, have, timeout), loader_for=DiskWeights(base, tmp_path / "w").loader,
         weight_poll_s=0.05)
     stop, errors, consumed, newest = threading.Event(), [], [], 0
 
@@ -335,13 +337,72 @@ def test_weights_broadcast_to_each_server_through_its_own_group_arrive_exactly()
         assert len(inits) == 2 and inits[0]["group_name"] != inits[1]["group_name"]
         assert all(i["rank_offset"] == 1 and i["world_size"] == 2 and i["backend"] == "gloo"
                    and i["master_address"] == "127.0.0.1" for i in inits)
-        bucket = [c["body"] for c in calls(servers[0]) if c["path"] == "/update_weights_from_distributed"][1]
-        assert bucket["names"] == ["layer.0.bias", "layer.0.weight", "steps"]
-        assert bucket["dtypes"] == ["float16", "float32", "int64"] and bucket["shapes"] == [[32], [32, 16], [1]]
+        buckets = [c["body"] for c in calls(servers[0]) if c["path"] == "/update_weights_from_distributed"]
+        assert buckets[1]["names"] == ["layer.0.bias", "layer.0.weight", "steps"]
+        assert buckets[1]["dtypes"] == ["float16", "float32", "int64"] and buckets[1]["shapes"] == [[32], [32, 16], [1]]
+        # the prefix cache holds KV of the old weights: flushed once per version, with its last bucket
+        assert [b["flush_cache"] for b in buckets] == [False, False, True] * 2
     finally:
         groups.close()
         for s in servers:
             s.stop()
+
+
+def test_weights_by_tensor_handle_reach_each_server_exactly():
+    """`/update_weights_from_tensor` in sglang's serialised form (base64 of a pickle of (name, tensor)
+    pairs; here CPU tensors, on GPUs CUDA IPC handles), one copy per server TP rank, in buckets."""
+    servers = [start_fake("--update-delay-s", "0.0") for _ in range(2)]
+    try:
+        pool = EnginePool([SglangEngine(SglangClient(s.url), server=s) for s in servers])
+        for version in (1, 2):
+            arrays = mixed_weights(version)
+            pool.update_weights(version, tensor_loader(arrays, bucket_bytes=2560, tensor_parallel=2))
+            assert [server_digest(s) for s in servers] == [arrays_digest(arrays)] * 2
+            assert [e.version for e in pool.engines] == [version, version]
+            assert {tuple(e.sample([1], max_new_tokens=3).versions) for e in pool.engines} == {(version,) * 3}
+        for server in servers:
+            posts = [c["body"] for c in calls(server) if c["path"] == "/update_weights_from_tensor"]
+            assert len(posts) == 6 and all(len(p["serialized_named_tensors"]) == 2 for p in posts)  # TP = 2
+            assert [p["flush_cache"] for p in posts] == [False, False, True] * 2
+            assert all(p["load_format"] is None for p in posts)
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_a_tensor_payload_is_sglangs_serialised_form():
+    """What sglang's `MultiprocessingSerializer.deserialize` reads: base64, then a pickle of pairs."""
+    import base64
+    import pickle
+
+    import numpy as np
+    import torch
+
+    from streamrl.weights.tensor_handles import serialize_named_tensors
+
+    named = [("a.weight", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torch.tensor([1], dtype=torch.int64))]
+    back = pickle.loads(base64.b64decode(serialize_named_tensors(named)))
+    assert [n for n, _ in back] == ["a.weight", "b"]
+    assert all(torch.equal(t, u) and t.dtype == u.dtype for (_, t), (_, u) in zip(back, named))
+    assert np.array_equal(back[0][1].numpy(), np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
+@pytest.mark.gpu
+def test_on_cuda_weights_by_tensor_handle_reach_a_server_exactly():
+    """The same with CUDA tensors: the payload carries IPC handles and the server (another process)
+    opens them and copies the bytes out."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    server = start_fake("--update-delay-s", "0.0")
+    try:
+        arrays = mixed_weights(4)
+        tensor_loader(arrays, bucket_bytes=2560, device_of=lambda client: torch.device("cuda", 0))(
+            SglangClient(server.url))
+        assert server_digest(server) == arrays_digest(arrays)
+    finally:
+        server.stop()
 
 
 def test_a_restarted_server_gets_a_new_group_and_then_the_next_version(server):

@@ -14,8 +14,8 @@ from streamrl.runtime.net import free_port
 
 
 def initialize(*, rank: int = 0, world_size: int = 1, tensor_parallel: int = 1, data_parallel: int = 1,
-               pipeline_parallel: int = 1, master_addr: str = "127.0.0.1", master_port: int | None = None, seed: int = 0,
-               timeout_s: float = 600.0) -> None:
+               pipeline_parallel: int = 1, master_addr: str = "127.0.0.1", master_port: int | None = None,
+               seed: int = 0, timeout_s: float = 600.0) -> None:
     """Join (or, with world size 1, form) the trainer's process group and split it into model-parallel
     groups. Without CUDA, megatron-core's two CUDA calls are replaced (see `streamrl.megatron.cpu`).
     `timeout_s` bounds joining and every collective: a rank that died fails the others instead of

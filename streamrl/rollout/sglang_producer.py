@@ -9,7 +9,8 @@ producer's engines, weights rolled through the engines one at a time as the trai
  weights:     fetch newer (long poll) ─► engine by engine: pause, load, update_weight_version, continue
               (the others keep generating); load = "disk": write safetensors + config once,
               update_weights_from_disk; "distributed": broadcast bucket by bucket over that server's
-              update group (`streamrl.weights.broadcast`)
+              update group (`streamrl.weights.broadcast`); "tensor": bucket by bucket as CUDA IPC
+              handles (`streamrl.weights.tensor_handles`)
  stop:        running groups abandoned, finished ones committed
 ```
 Every token carries the version of the weights that generated it (see `streamrl.engine.sglang.engine`).
@@ -20,20 +21,26 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from safetensors.numpy import save_file
 
 from streamrl.buffer.queue import Ticket
+from streamrl.config import SglangSection
 from streamrl.engine.generation import Generation
-from streamrl.engine.sglang.engine import EngineLost, EnginePool, Sample
+from streamrl.engine.sglang.client import SglangClient
+from streamrl.engine.sglang.engine import EngineLost, EnginePool, Loader, Sample
+from streamrl.engine.sglang.server import ServerProcess
 from streamrl.rollout.producer import QueueClient, pack_groups
 from streamrl.tasks import Task
 from streamrl.weights.broadcast import UpdateGroups, distributed_loader
 from streamrl.weights.receiver import Fetch
+from streamrl.weights.tensor_handles import tensor_loader
 
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json")
@@ -61,25 +68,60 @@ class DiskWeights:
             shutil.rmtree(old)
         return target
 
+    def loader(self, version: int, arrays: dict[str, np.ndarray]) -> Loader:
+        """Write the version once; each server then loads it from the directory."""
+        return disk_loader(str(self.write(version, arrays)))
 
-def disk_loader(path: str):
+
+def disk_loader(path: str) -> Loader:
     """Loads a written version into a server (kept by the engine, to reload after a restart)."""
     return lambda client: client.update_weights_from_disk(path)
+
+
+LoaderFor = Callable[[int, dict[str, np.ndarray]], Loader]  # (version, arrays) → how it enters a server
+
+
+def weight_path(section: SglangSection, servers: list[ServerProcess], *, model_dir: str, directory: Path,
+                name: str) -> tuple[LoaderFor, UpdateGroups | None]:
+    """The `loader_for` of `producers.sglang.weights`, and the update groups to close with the servers
+    ("distributed" only). `directory`: where "disk" writes versions; `name`: the groups' prefix."""
+    bucket_bytes = section.bucket_mb << 20
+    first_gpu = {s.url: s.spec.base_gpu_id for s in servers}  # as this process numbers its GPUs
+    if section.weights == "disk":
+        return DiskWeights(model_dir, directory).loader, None
+    if section.weights == "distributed":
+        by_url = {s.url: s for s in servers}  # a restarted server is a new process: a new group
+        gpus = len(servers) * section.tensor_parallel
+
+        def sender_device(client: SglangClient) -> torch.device | None:  # the next server's first GPU
+            return torch.device("cuda", (first_gpu[client.url] + section.tensor_parallel) % gpus) \
+                if torch.cuda.is_available() else None
+
+        groups = UpdateGroups(tensor_parallel=section.tensor_parallel, timeout_s=section.weights_timeout_s, name=name,
+                              generation=lambda client: by_url[client.url].restarts, device_of=sender_device)
+        return (lambda version, arrays: distributed_loader(groups, arrays, bucket_bytes)), groups
+
+    def device_of(client: SglangClient) -> torch.device | None:  # the server's first GPU; none: host memory
+        return torch.device("cuda", first_gpu[client.url]) if torch.cuda.is_available() else None
+
+    return (lambda version, arrays: tensor_loader(arrays, bucket_bytes, tensor_parallel=section.tensor_parallel,
+                                                  device_of=device_of)), None
 
 
 class SglangProducer:
     def __init__(self, producer_id: int, *, queue: QueueClient, pool: EnginePool, task: Task, group_size: int,
                  max_groups: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 fetch: Fetch | None = None, disk: DiskWeights | None = None, groups: UpdateGroups | None = None,
-                 bucket_bytes: int = 512 << 20, weight_poll_s: float = 1.0, admit_timeout: float = 0.2):
-        """Weights, with `fetch`, go in by disk (`disk`) or by broadcast (`groups`, `bucket_bytes` a bucket)."""
-        if (disk is not None) + (groups is not None) != (0 if fetch is None else 1):
-            raise ValueError("weights need a fetch function and one way in: a directory (disk) or update groups")
+                 fetch: Fetch | None = None, loader_for: LoaderFor | None = None,
+                 weight_poll_s: float = 1.0, admit_timeout: float = 0.2):
+        """Weights are fetched with `fetch` and go into each server by `loader_for(version, arrays)`
+        (`DiskWeights.loader`, `distributed_loader`, `tensor_loader`); neither: the servers keep theirs."""
+        if (fetch is None) != (loader_for is None):
+            raise ValueError("weights need both a fetch function and a loader_for (how a version enters a server)")
         self.producer_id, self.queue, self.pool, self.task = producer_id, queue, pool, task
         self.group_size, self.max_groups, self.max_new_tokens = group_size, max_groups, max_new_tokens
         self.sampling = {"temperature": temperature, "top_p": top_p, "stop_token_ids": list(task.stop_token_ids)}
-        self.fetch, self.disk, self.weight_poll_s, self.admit_timeout = fetch, disk, weight_poll_s, admit_timeout
-        self.groups, self.bucket_bytes = groups, bucket_bytes
+        self.fetch, self.loader_for = fetch, loader_for
+        self.weight_poll_s, self.admit_timeout = weight_poll_s, admit_timeout
         self._samples = ThreadPoolExecutor(max_workers=max_groups * group_size, thread_name_prefix="sample")
         self._weights_error: BaseException | None = None
         self.stats: dict[str, Any] = {"groups": 0, "samples": 0, "generated_tokens": 0, "lost_groups": 0,
@@ -175,11 +217,7 @@ class SglangProducer:
                 if got is None:
                     continue
                 version, arrays = got
-                if self.groups is not None:
-                    load = distributed_loader(self.groups, arrays, self.bucket_bytes)
-                else:
-                    load = disk_loader(str(self.disk.write(version, arrays)))
-                pauses = self.pool.update_weights(version, load)
+                pauses = self.pool.update_weights(version, self.loader_for(version, arrays))
                 have = version
                 self.stats["weight_updates"] += 1
                 self.stats["update_pause_s"] += sum(pauses)

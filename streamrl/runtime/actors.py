@@ -147,9 +147,8 @@ class SglangProducerActor:
         from streamrl.engine.sglang.engine import EnginePool, SglangEngine
         from streamrl.engine.sglang.server import ServerProcess, ServerSpec
         from streamrl.models.hf import quiet_transformers
-        from streamrl.rollout.sglang_producer import DiskWeights, SglangProducer
+        from streamrl.rollout.sglang_producer import SglangProducer, weight_path
         from streamrl.tasks import make_task
-        from streamrl.weights.broadcast import UpdateGroups
 
         quiet_transformers()
         cfg = RunConfig.model_validate(config)
@@ -173,20 +172,15 @@ class SglangProducerActor:
             self._stop_servers()
             raise
         pool = EnginePool([SglangEngine(SglangClient(s.url), server=s) for s in self.servers])
-        disk, groups = None, None
-        if sg.weights == "distributed":
-            by_url = {s.url: s for s in self.servers}  # a restarted server is a new process: a new group
-            groups = UpdateGroups(tensor_parallel=sg.tensor_parallel, timeout_s=sg.weights_timeout_s,
-                                  name=f"streamrl-{run_name}-p{producer_id}",
-                                  generation=lambda client: by_url[client.url].restarts)
-        else:
-            disk = DiskWeights(model_dir, Path(weights_dir or model_dir) / f"weights-producer-{producer_id}")
+        versions_dir = Path(weights_dir or model_dir) / f"weights-producer-{producer_id}"  # "disk" writes here
+        loader_for, self.groups = weight_path(sg, self.servers, model_dir=model_dir, directory=versions_dir,
+                                              name=f"streamrl-{run_name}-p{producer_id}")
         self.producer = SglangProducer(
             producer_id, queue=RemoteQueue(get_queue_actor(run_name)), pool=pool, task=task,
             group_size=cfg.queue.group_size, max_groups=cfg.producers.groups_per_batch,
             max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens(),
             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-            fetch=remote_fetch(self.weights, producer_id), disk=disk, groups=groups, bucket_bytes=sg.bucket_mb << 20,
+            fetch=remote_fetch(self.weights, producer_id), loader_for=loader_for,
             weight_poll_s=cfg.producers.weight_poll_s)
         self._stop = threading.Event()
 
@@ -202,8 +196,8 @@ class SglangProducerActor:
             for engine in self.producer.pool.engines:
                 engine.closing = True  # requests cut by the stop below are not crashes to recover from
             try:
-                if self.producer.groups is not None:
-                    self.producer.groups.close()
+                if self.groups is not None:
+                    self.groups.close()
                 self._stop_servers()
             finally:
                 ray.get(self.weights.drop_holder.remote(self.producer.producer_id))

@@ -128,9 +128,9 @@ def check_resources(config: RunConfig) -> None:
         wanted = ranks * getattr(config.trainer, field) + config.producers.count * getattr(config.producers, field)
         have = cluster.get(kind, 0)
         if wanted > have:
-            raise ConfigError(f"the run reserves {wanted:g} {kind}s (trainer.tensor_parallel × data_parallel × "
-                              f"pipeline_parallel × trainer.{field} + producers.count × producers.{field}) but the Ray cluster has "
-                              f"{have:g}")
+            raise ConfigError(f"the run reserves {wanted:g} {kind}s (trainer.tensor_parallel × data_parallel "
+                              f"× pipeline_parallel × trainer.{field} + producers.count × producers.{field}) but "
+                              f"the Ray cluster has {have:g}")
 
 
 def trainer_placement(config: RunConfig):

@@ -1,6 +1,6 @@
-"""A tensor- and data-parallel megatron trainer over Ray actors: rank 0 lives in the trainer actor,
-ranks 1..N−1 (N = TP × DP × PP; see `streamrl.megatron.parallel` for the numbering) in actors of their own, and every call runs
-on all of them at once (the collectives inside pair them).
+"""A tensor-, data- and pipeline-parallel megatron trainer over Ray actors: rank 0 lives in the trainer
+actor, ranks 1..N−1 (N = TP × DP × PP, numbered as in `streamrl.megatron.parallel`) in actors of their
+own, and every call runs on all of them at once (the collectives and sends inside pair them).
 
 ```
  trainer actor (rank 0) ── train(table) ──┬─ local MegatronTrainer.train(table)

@@ -7,6 +7,7 @@
    thread:   POST /init_weights_update_group (master, port, rank_offset 1, world 1 + TP) ─► server ranks join
  load one version (the engine has paused that server):
    per bucket: thread: POST /update_weights_from_distributed (names, dtypes, shapes)  ─► server receives
+               (the last bucket: flush_cache, the prefix cache was computed by the old weights)
                producer: broadcast each tensor of the bucket from rank 0, in the same order
                join the POST (its error raises), then the broadcasts (bounded by the group's timeout)
  a failed load drops the group (its state is unknown); a restarted server gets a new one
@@ -105,12 +106,15 @@ class UpdateGroup:
     """The group between this process (rank 0) and one server process's TP ranks (1 … TP)."""
 
     def __init__(self, client: SglangClient, *, tensor_parallel: int = 1, backend: str | None = None,
-                 timeout_s: float = 300.0, name: str = "streamrl"):
+                 timeout_s: float = 300.0, name: str = "streamrl", device: torch.device | None = None):
         self.client, self.tensor_parallel, self.timeout_s = client, tensor_parallel, timeout_s
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.name = f"{name}-{client.port}-{next(_names)}"
-        # NCCL moves CUDA tensors only: each bucket is copied to this device first (not run on a CPU machine)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+        # NCCL moves CUDA tensors only: each bucket is copied to `device` first, a GPU the server does not
+        # use (NCCL refuses a group with two ranks on one device). Not run on a CPU machine.
+        if self.backend == "nccl" and device is None:
+            raise ValueError("an NCCL update group needs the device to send from (one the server does not use)")
+        self.device = device if self.backend == "nccl" else None
         self.group: Any = None
 
     def open(self) -> None:
@@ -129,8 +133,9 @@ class UpdateGroup:
         self.group = joining.result(self.timeout_s, f"joining update group {self.name}")
         self._store = store  # rank 0 hosts the store: it lives as long as the group
 
-    def send(self, names: Sequence[str], arrays: Sequence[np.ndarray]) -> None:
-        """One bucket: announce it to the server and broadcast its tensors, in order."""
+    def send(self, names: Sequence[str], arrays: Sequence[np.ndarray], *, flush_cache: bool = False) -> None:
+        """One bucket: announce it to the server and broadcast its tensors, in order; `flush_cache`
+        (the version's last bucket): the server then drops its prefix cache, computed by the old weights."""
         if self.group is None:
             raise RuntimeError(f"update group {self.name} is not open")
         with warnings.catch_warnings():
@@ -140,7 +145,7 @@ class UpdateGroup:
             tensors = [t.to(self.device, non_blocking=True) for t in tensors]
         post = _Call("update-from-distributed", lambda: self.client.update_weights_from_distributed(
             list(names), [dtype_name(a) for a in arrays], [list(a.shape) for a in arrays], group_name=self.name,
-            timeout_s=self.timeout_s))
+            flush_cache=flush_cache, timeout_s=self.timeout_s))
         post.start()
         works = [dist.broadcast(t, group_src=0, group=self.group, async_op=True) for t in tensors]
         post.result(self.timeout_s + 5.0, f"{self.client.url}/update_weights_from_distributed")
@@ -160,9 +165,10 @@ class UpdateGroups:
     group, so it gets a new one."""
 
     def __init__(self, *, tensor_parallel: int = 1, backend: str | None = None, timeout_s: float = 300.0,
-                 name: str = "streamrl", generation: Callable[[SglangClient], int] = lambda client: 0):
+                 name: str = "streamrl", generation: Callable[[SglangClient], int] = lambda client: 0,
+                 device_of: Callable[[SglangClient], torch.device | None] = lambda client: None):
         self.tensor_parallel, self.backend, self.timeout_s, self.name = tensor_parallel, backend, timeout_s, name
-        self.generation = generation
+        self.generation, self.device_of = generation, device_of
         self._groups: dict[str, tuple[int, UpdateGroup]] = {}
         self._lock = threading.Lock()
         self.opened = 0
@@ -175,7 +181,7 @@ class UpdateGroups:
             return held[1]
         self.drop(client)
         group = UpdateGroup(client, tensor_parallel=self.tensor_parallel, backend=self.backend,
-                            timeout_s=self.timeout_s, name=self.name)
+                            timeout_s=self.timeout_s, name=self.name, device=self.device_of(client))
         group.open()
         with self._lock:
             self._groups[client.url] = (generation, group)
@@ -204,8 +210,8 @@ def distributed_loader(groups: UpdateGroups, arrays: Mapping[str, np.ndarray],
     def load(client: SglangClient) -> None:
         group = groups.get(client)
         try:
-            for names in buckets:
-                group.send(names, [arrays[name] for name in names])
+            for i, names in enumerate(buckets):
+                group.send(names, [arrays[name] for name in names], flush_cache=i == len(buckets) - 1)
         except BaseException:
             groups.drop(client)
             raise

@@ -1,0 +1,65 @@
+"""Weights into sglang servers by tensor handle (`producers.sglang.weights = "tensor"`):
+`/update_weights_from_tensor`, the path for a server on a GPU this process can reach (always the case:
+a producer reserves the GPUs of the servers it starts).
+
+```
+ load one version (the engine has paused that server), bucket by bucket:
+   arrays ─copy─► the server's first GPU ─pickle (CUDA IPC handles)─► base64 ─► POST, one copy per server TP rank
+   the server opens the handles and copies into its weights; the call returns ─► the bucket is freed
+ the last bucket asks the server to flush its prefix cache (KV computed by the old weights)
+```
+The payload is sglang's `MultiprocessingSerializer` format: base64 of a pickle of `[(name, tensor), …]`
+(`load_format` None). A CUDA tensor is pickled by torch's multiprocessing reductions, so the bytes hold
+an IPC handle, not the data: one bucket of device memory in this process, no disk, no NCCL group.
+Without CUDA (tests, the stand-in server) the tensors are pickled with their bytes, the same format.
+The server unpickles what it is sent (sglang's design): only a holder of its API key can post.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+import warnings
+from collections.abc import Callable, Mapping
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import torch
+import torch.multiprocessing  # noqa: F401 - registers torch's reductions (CUDA IPC handles) with ForkingPickler
+
+from streamrl.engine.sglang.client import SglangClient
+from streamrl.weights.broadcast import plan_buckets
+
+
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+    """base64 of a pickle of `named`; CUDA tensors travel as IPC handles (keep them alive until the
+    server has loaded them), CPU tensors with their bytes."""
+    buffer = io.BytesIO()
+    on_device = any(tensor.is_cuda for _, tensor in named)
+    (ForkingPickler(buffer) if on_device else pickle.Pickler(buffer)).dump(named)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def tensor_loader(arrays: Mapping[str, np.ndarray], bucket_bytes: int, *, tensor_parallel: int = 1,
+                  device_of: Callable[[SglangClient], torch.device | None] = lambda client: None
+                  ) -> Callable[[SglangClient], None]:
+    """A `load(client)` for `SglangEngine.update_weights`: `arrays` bucket by bucket through
+    `/update_weights_from_tensor`, each bucket copied to `device_of(client)` (None: host memory) for
+    as long as its call lasts. Every server TP rank gets the whole bucket and loads its shard of it."""
+    buckets = plan_buckets(arrays, bucket_bytes)
+
+    def load(client: SglangClient) -> None:
+        device = device_of(client)
+        for i, names in enumerate(buckets):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*not writable.*")  # object-store arrays: only read
+                named = [(name, torch.from_numpy(np.ascontiguousarray(arrays[name]))) for name in names]
+            if device is not None:
+                named = [(name, tensor.to(device)) for name, tensor in named]
+                torch.cuda.synchronize(device)  # the copies are done before another process reads them
+            payload = serialize_named_tensors(named)
+            client.update_weights_from_tensor([payload] * tensor_parallel, flush_cache=i == len(buckets) - 1)
+            del named, payload  # the server has copied the bucket: its device memory can go
+
+    return load
