@@ -136,8 +136,9 @@ class SglangSection(_Section):
     startup_timeout_s: float = Field(600.0, gt=0)
     weights: Literal["disk", "distributed", "tensor"] = "disk"
     """How a producer puts new weights into its servers: "disk" writes safetensors and calls
-    /update_weights_from_disk; "distributed" broadcasts them from the producer over one process group
-    per server (/init_weights_update_group, /update_weights_from_distributed; NCCL on GPUs, gloo on CPU);
+    /update_weights_from_disk; "distributed" broadcasts them over one process group
+    per server (/init_weights_update_group, /update_weights_from_distributed) from the trainer's first
+    rank, from its GPU (NCCL; gloo on CPU);
     "tensor" copies them bucket by bucket onto the server's GPU and passes CUDA IPC handles
     (/update_weights_from_tensor; one bucket of GPU memory in the producer, no disk, no group)."""
     bucket_mb: int = Field(512, ge=1)
@@ -275,10 +276,13 @@ class RunConfig(_Section):
             raise ValueError(f"producers.num_gpus={self.producers.num_gpus:g} is fewer than the "
                              f"{sg.servers * sg.tensor_parallel} GPUs its sglang servers use "
                              "(producers.sglang.servers × producers.sglang.tensor_parallel)")
-        if self.producers.engine == "sglang" and sg.weights == "distributed" and gpus and sg.servers == 1:
-            raise ValueError("producers.sglang.weights = 'distributed' on GPUs needs producers.sglang.servers >= 2: "
-                             "a server's weights are sent from another server's GPU (NCCL refuses two ranks of a "
-                             "group on one device); with one server use 'tensor' (CUDA IPC) or 'disk'")
+        if self.producers.engine == "sglang" and sg.weights == "distributed":
+            if self.trainer.colocated:  # NCCL refuses a group with two ranks on one device
+                raise ValueError("producers.sglang.weights = 'distributed' sends from the trainer's GPU, which "
+                                 "trainer.colocated = true shares with the servers: use 'tensor' (CUDA IPC)")
+            if gpus and not self.trainer.num_gpus:
+                raise ValueError("producers.sglang.weights = 'distributed' with servers on GPUs needs "
+                                 "trainer.num_gpus >= 1: the trainer sends over NCCL from its GPU")
         for kind in ("tensor_parallel", "data_parallel", "pipeline_parallel"):
             size = getattr(self.trainer, kind)
             if size > 1 and self.trainer.backend != "megatron":

@@ -127,9 +127,12 @@ def test_sglang_producers_run_a_launch_through_stand_in_servers(ray_local, tmp_p
     loads = [line.split()[1] for line in log.read_text().splitlines() if "weights_from" in line]
     if weights == "disk":
         assert len(written) <= 2 and set(loads) == {"/update_weights_from_disk"}  # pruned as it went
-    elif weights == "distributed":  # broadcast: nothing on disk, one group per server
+    elif weights == "distributed":  # broadcast from the trainer: nothing on disk, one group per server
         assert not written and set(loads) == {"/update_weights_from_distributed"}
         assert log.read_text().count("/init_weights_update_group") == 2
+        sent = summary["trainer_weight_broadcasts"]  # the trainer actor was rank 0 of both groups
+        assert sent["groups"] == 2 and sent["buckets"] == loads.count("/update_weights_from_distributed")
+        assert sent["bytes"] >= 2 * producer["weight_updates"] * 10_000  # the tiny model is ~0.1 MB
     else:  # tensor handles: nothing on disk, no group
         assert not written and set(loads) == {"/update_weights_from_tensor"}
         assert "/init_weights_update_group" not in log.read_text()

@@ -8,8 +8,8 @@ producer's engines, weights rolled through the engines one at a time as the trai
                  └─ a server died under it (EngineLost) ─► abandon the ticket: its prompt comes back
  weights:     fetch newer (long poll) ─► engine by engine: pause, load, update_weight_version, continue
               (the others keep generating); load = "disk": write safetensors + config once,
-              update_weights_from_disk; "distributed": broadcast bucket by bucket over that server's
-              update group (`streamrl.weights.broadcast`); "tensor": bucket by bucket as CUDA IPC
+              update_weights_from_disk; "distributed": the trainer broadcasts bucket by bucket over
+              that server's update group (`streamrl.weights.broadcast`); "tensor": bucket by bucket as CUDA IPC
               handles (`streamrl.weights.tensor_handles`)
  stop:        running groups abandoned, finished ones committed
 ```
@@ -38,7 +38,7 @@ from streamrl.engine.sglang.engine import EngineLost, EnginePool, Loader, Sample
 from streamrl.engine.sglang.server import ServerProcess
 from streamrl.rollout.producer import QueueClient, pack_groups
 from streamrl.tasks import Task
-from streamrl.weights.broadcast import UpdateGroups, distributed_loader
+from streamrl.weights.broadcast import Sender, UpdateGroups, distributed_loader
 from streamrl.weights.receiver import Fetch
 from streamrl.weights.tensor_handles import tensor_loader
 
@@ -78,34 +78,33 @@ def disk_loader(path: str) -> Loader:
     return lambda client: client.update_weights_from_disk(path)
 
 
-LoaderFor = Callable[[int, dict[str, np.ndarray]], Loader]  # (version, arrays) → how it enters a server
+LoaderFor = Callable[..., Loader]  # (version, weights) → how that version enters a server
 
 
 def weight_path(section: SglangSection, servers: list[ServerProcess], *, model_dir: str, directory: Path,
-                name: str) -> tuple[LoaderFor, UpdateGroups | None]:
-    """The `loader_for` of `producers.sglang.weights`, and the update groups to close with the servers
-    ("distributed" only). `directory`: where "disk" writes versions; `name`: the groups' prefix."""
+                name: str, sender: Sender | None = None, node: str | None = None
+                ) -> tuple[LoaderFor, UpdateGroups | None]:
+    """The loader of `producers.sglang.weights`, called as `(version, arrays, source)`, and the update
+    groups to close with the servers ("distributed" only). `directory`: where "disk" writes versions;
+    `name`: the groups' prefix; `sender`: rank 0 of the groups (the trainer), which broadcasts from
+    `source` (the version's object reference in a list), from `node`'s point of view."""
     bucket_bytes = section.bucket_mb << 20
-    first_gpu = {s.url: s.spec.base_gpu_id for s in servers}  # as this process numbers its GPUs
     if section.weights == "disk":
-        return DiskWeights(model_dir, directory).loader, None
+        disk = DiskWeights(model_dir, directory)
+        return (lambda version, arrays, source=None: disk.loader(version, arrays)), None
     if section.weights == "distributed":
         by_url = {s.url: s for s in servers}  # a restarted server is a new process: a new group
-        gpus = len(servers) * section.tensor_parallel
-
-        def sender_device(client: SglangClient) -> torch.device | None:  # the next server's first GPU
-            return torch.device("cuda", (first_gpu[client.url] + section.tensor_parallel) % gpus) \
-                if torch.cuda.is_available() else None
-
-        groups = UpdateGroups(tensor_parallel=section.tensor_parallel, timeout_s=section.weights_timeout_s, name=name,
-                              generation=lambda client: by_url[client.url].restarts, device_of=sender_device)
-        return (lambda version, arrays: distributed_loader(groups, arrays, bucket_bytes)), groups
+        groups = UpdateGroups(sender, tensor_parallel=section.tensor_parallel, timeout_s=section.weights_timeout_s,
+                              name=name, generation=lambda client: by_url[client.url].restarts, node=node)
+        return (lambda version, arrays, source=None: distributed_loader(groups, arrays, bucket_bytes, source)), \
+            groups
+    first_gpu = {s.url: s.spec.base_gpu_id for s in servers}  # as this process numbers its GPUs
 
     def device_of(client: SglangClient) -> torch.device | None:  # the server's first GPU; none: host memory
         return torch.device("cuda", first_gpu[client.url]) if torch.cuda.is_available() else None
 
-    return (lambda version, arrays: tensor_loader(arrays, bucket_bytes, tensor_parallel=section.tensor_parallel,
-                                                  device_of=device_of)), None
+    return (lambda version, arrays, source=None: tensor_loader(
+        arrays, bucket_bytes, tensor_parallel=section.tensor_parallel, device_of=device_of)), None
 
 
 class SglangProducer:
@@ -113,8 +112,8 @@ class SglangProducer:
                  max_groups: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  fetch: Fetch | None = None, loader_for: LoaderFor | None = None,
                  weight_poll_s: float = 1.0, admit_timeout: float = 0.2):
-        """Weights are fetched with `fetch` and go into each server by `loader_for(version, arrays)`
-        (`DiskWeights.loader`, `distributed_loader`, `tensor_loader`); neither: the servers keep theirs."""
+        """Weights are fetched with `fetch` and go into each server by `loader_for(version, weights)`
+        (`weights`: what `fetch` returned; see `weight_path`); neither: the servers keep theirs."""
         if (fetch is None) != (loader_for is None):
             raise ValueError("weights need both a fetch function and a loader_for (how a version enters a server)")
         self.producer_id, self.queue, self.pool, self.task = producer_id, queue, pool, task

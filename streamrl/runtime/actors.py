@@ -53,14 +53,37 @@ class RemoteQueue:
         ray.get(self.handle.abandon.remote(ticket_ids))
 
 
-def remote_fetch(weights: ray.actor.ActorHandle, holder: int):
-    def fetch(have: int | None, timeout: float) -> tuple[int, dict[str, np.ndarray]] | None:
+def remote_fetch(weights: ray.actor.ActorHandle, holder: int, *, by_reference: bool = False):
+    """Newer weights from the weights actor, held by `holder`: their arrays (read-only views of the
+    object store), or with `by_reference` their object reference."""
+    def fetch(have: int | None, timeout: float) -> tuple[int, Any] | None:
         got = ray.get(weights.acquire.remote(holder, have, timeout))
         if got is None:
             return None
         version, (ref,) = got
-        return version, ray.get(ref)  # read-only views of the object store, copied into the model
+        return version, ref if by_reference else ray.get(ref)
     return fetch
+
+
+class RemoteSender:
+    """The trainer actor as rank 0 of the sglang update groups (`streamrl.weights.broadcast.Sender`):
+    the weights go from the trainer's GPU straight to the servers."""
+
+    def __init__(self, trainer: ray.actor.ActorHandle):
+        self.trainer = trainer
+
+    def open_group(self, name: str, world: int, *, server: tuple[str, int], node: str | None,
+                   timeout_s: float) -> tuple[str, int, str]:
+        return tuple(ray.get(self.trainer.open_update_group.remote(name, world, server, node, timeout_s)))
+
+    def joined(self, name: str, timeout_s: float) -> None:
+        ray.get(self.trainer.join_update_group.remote(name, timeout_s))
+
+    def broadcast(self, name: str, weights: Any, names: list[str], timeout_s: float) -> None:
+        ray.get(self.trainer.broadcast_weights.remote(name, weights, names, timeout_s))  # weights: [ref]
+
+    def close_group(self, name: str) -> None:
+        ray.get(self.trainer.close_update_group.remote(name), timeout=60)
 
 
 @contextmanager
@@ -173,14 +196,21 @@ class SglangProducerActor:
             raise
         pool = EnginePool([SglangEngine(SglangClient(s.url), server=s) for s in self.servers])
         versions_dir = Path(weights_dir or model_dir) / f"weights-producer-{producer_id}"  # "disk" writes here
-        loader_for, self.groups = weight_path(sg, self.servers, model_dir=model_dir, directory=versions_dir,
-                                              name=f"streamrl-{run_name}-p{producer_id}")
+        sender = RemoteSender(ray.get_actor(actor_name(run_name, "trainer"), namespace=NAMESPACE)) \
+            if sg.weights == "distributed" else None
+        path_loader, self.groups = weight_path(sg, self.servers, model_dir=model_dir, directory=versions_dir,
+                                               name=f"streamrl-{run_name}-p{producer_id}", sender=sender,
+                                               node=ray.util.get_node_ip_address())
+
+        def loader_for(version: int, ref: ray.ObjectRef):  # the arrays here; a remote sender reads them itself
+            return path_loader(version, ray.get(ref), [ref])
+
         self.producer = SglangProducer(
             producer_id, queue=RemoteQueue(get_queue_actor(run_name)), pool=pool, task=task,
             group_size=cfg.queue.group_size, max_groups=cfg.producers.groups_per_batch,
             max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens(),
             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-            fetch=remote_fetch(self.weights, producer_id), loader_for=loader_for,
+            fetch=remote_fetch(self.weights, producer_id, by_reference=True), loader_for=loader_for,
             weight_poll_s=cfg.producers.weight_poll_s)
         self._stop = threading.Event()
 
@@ -196,9 +226,11 @@ class SglangProducerActor:
             for engine in self.producer.pool.engines:
                 engine.closing = True  # requests cut by the stop below are not crashes to recover from
             try:
-                if self.groups is not None:
-                    self.groups.close()
-                self._stop_servers()
+                try:
+                    if self.groups is not None:
+                        self.groups.close()
+                finally:
+                    self._stop_servers()
             finally:
                 ray.get(self.weights.drop_holder.remote(self.producer.producer_id))
         return self.status()
@@ -360,6 +392,7 @@ class TrainerActor(TrainerShell):
                          get_timeout_s=cfg.trainer.get_timeout_s, colocated_producers=colocated)
         self.task = make_task(cfg.task, trainer.tokenizer, seed=cfg.run.seed, search_path=search_path)
         self.max_new_tokens = cfg.sampling.max_new_tokens or self.task.max_new_tokens()
+        self._group_sender, self._sender_lock = None, threading.Lock()
 
     def evaluate(self, limit: int | None = None) -> dict[str, float]:
         result = self.trainer.evaluate(self.task, limit=limit or self.config.task.eval_size,
@@ -369,6 +402,34 @@ class TrainerActor(TrainerShell):
 
     def checkpoint(self, directory: str) -> None:
         self.trainer.save(Path(directory))
+
+    # ---- rank 0 of the sglang update groups (producers.sglang.weights = "distributed") -------------------
+    # Called by the producer that owns each server, in this actor's other threads while a step runs; the
+    # bytes leave from this process's GPU (see streamrl.weights.broadcast).
+    def _sender(self):
+        with self._sender_lock:
+            if self._group_sender is None:
+                from streamrl.weights.broadcast import GroupSender
+
+                self._group_sender = GroupSender(node=ray.util.get_node_ip_address())
+            return self._group_sender
+
+    def open_update_group(self, name: str, world: int, server: tuple[str, int], node: str | None,
+                          timeout_s: float) -> tuple[str, int, str]:
+        return self._sender().open_group(name, world, server=tuple(server), node=node, timeout_s=timeout_s)
+
+    def join_update_group(self, name: str, timeout_s: float) -> None:
+        self._sender().joined(name, timeout_s)
+
+    def broadcast_weights(self, name: str, weights: list[ray.ObjectRef], names: list[str], timeout_s: float) -> None:
+        self._sender().broadcast(name, weights, names, timeout_s)
+
+    def close_update_group(self, name: str) -> None:
+        self._sender().close_group(name)
+
+    def weight_broadcasts(self) -> dict[str, int]:
+        """Groups joined, buckets and bytes sent as rank 0 so far ({} when none was opened)."""
+        return {} if self._group_sender is None else dict(self._group_sender.stats)
 
 
 def _make_learner(run_name: str, cfg: RunConfig, config: dict[str, Any], model_dir: str, resume_dir: str | None,

@@ -235,9 +235,12 @@ class Run:
         trainer_resume = str(self.resume_from / "trainer") if self.resume_from else None
         self.config_dict = config_dict = cfg.model_dump(mode="json")
         self.trainer_group = trainer_placement(cfg)  # tensor-parallel ranks kept on one node
+        # a step and a cancel, and with "distributed" weights each producer's group calls (one server at a time)
+        broadcasts = cfg.producers.count if (cfg.producers.engine, cfg.producers.sglang.weights) == (
+            "sglang", "distributed") else 0
         self.trainer = create_actor(TrainerActor, self.name, "trainer", self.name, config_dict, str(trainer_model),
                                     trainer_resume, search_path, self.trainer_group, num_cpus=cfg.trainer.num_cpus,
-                                    num_gpus=cfg.trainer.num_gpus, max_concurrency=2,
+                                    num_gpus=cfg.trainer.num_gpus, max_concurrency=2 + broadcasts,
                                     placement=(self.trainer_group, 0))
         self.actors.append(self.trainer)
         self.model_dir = model_dir
@@ -464,6 +467,8 @@ class Run:
                             producers=self.producer_stats, weight_histories=self.weight_histories,
                             queue=ray.get(self.queue.status.remote()))
         summary["producer_restarts"] = self.producer_restarts
+        if (self.config.producers.engine, self.config.producers.sglang.weights) == ("sglang", "distributed"):
+            summary["trainer_weight_broadcasts"] = ray.get(self.trainer.weight_broadcasts.remote())
         self.run_dir.write_json("summary.json", summary)
         return summary
 

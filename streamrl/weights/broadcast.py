@@ -1,22 +1,27 @@
 """Weights into sglang servers by broadcast over one torch.distributed group per server
-(`producers.sglang.weights = "distributed"`): NCCL on GPUs, gloo on CPU.
+(`producers.sglang.weights = "distributed"`): from the trainer's first rank, NCCL on GPUs, gloo on CPU.
 
 ```
- open (once per server process, lazily):
-   producer: TCPStore host (rank 0) ──┬── joins as rank 0
-   thread:   POST /init_weights_update_group (master, port, rank_offset 1, world 1 + TP) ─► server ranks join
- load one version (the engine has paused that server):
-   per bucket: thread: POST /update_weights_from_distributed (names, dtypes, shapes)  ─► server receives
-               (the last bucket: flush_cache, the prefix cache was computed by the old weights)
-               producer: broadcast each tensor of the bucket from rank 0, in the same order
-               join the POST (its error raises), then the broadcasts (bounded by the group's timeout)
+ open (once per server process, lazily), driven by the producer that owns the server:
+   sender (trainer rank 0): host a TCPStore, join as rank 0 in a thread        ◄─ open_group
+   producer: POST /init_weights_update_group (the sender's address, rank_offset 1, world 1 + TP)
+   sender: the join completes once the server's ranks are in                   ◄─ joined
+ load one version (the engine has paused that server), per bucket:
+   producer: POST /update_weights_from_distributed (names, dtypes, shapes) in a thread
+             (the last bucket: flush_cache, the prefix cache was computed by the old weights)
+   sender: broadcast each tensor of the bucket from rank 0, in the same order  ◄─ broadcast
+   join the POST (its error raises) and the broadcasts (bounded by the group's timeout)
  a failed load drops the group (its state is unknown); a restarted server gets a new one
 ```
-The producer is the sender: it already holds each version's arrays (from the object store). The
-group is built without the default process group (a trainer may own one in other processes), the way
-sglang's `init_custom_process_group` builds its side: a TCPStore that rank 0 hosts, a `PrefixStore`
-named after the group, torch's `_new_process_group_helper`. Matching that layout is what lets rank 0
-here meet the server's ranks in the store.
+The producer drives (it owns the server, its API key and the pause around a load); the sender
+moves the bytes. In a run the sender is the trainer's rank-0 actor (`GroupSender` behind Ray calls),
+sending from its own GPU: never one of the servers' (NCCL refuses a group with two ranks on one device),
+and straight from the trainer's node. The weights it sends are the version the producer holds, by
+object reference: the registry keeps that version alive while the producer holds it. A `GroupSender`
+in the producer's own process serves the tests. Each group is built without the default process
+group (the trainer owns one for its ranks), the way sglang's `init_custom_process_group` builds its
+side: a TCPStore that rank 0 hosts, a `PrefixStore` named after the group, torch's
+`_new_process_group_helper`. Matching that layout is what lets rank 0 meet the server's ranks.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import socket
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -102,73 +107,160 @@ class _Call(threading.Thread):
         return self.value
 
 
-class UpdateGroup:
-    """The group between this process (rank 0) and one server process's TP ranks (1 … TP)."""
+class Sender(Protocol):
+    """Rank 0 of the update groups: the process that sends the weights (see the module docstring)."""
 
-    def __init__(self, client: SglangClient, *, tensor_parallel: int = 1, backend: str | None = None,
-                 timeout_s: float = 300.0, name: str = "streamrl", device: torch.device | None = None):
-        self.client, self.tensor_parallel, self.timeout_s = client, tensor_parallel, timeout_s
+    def open_group(self, name: str, world: int, *, server: tuple[str, int], node: str | None,
+                   timeout_s: float) -> tuple[str, int, str]: ...
+
+    def joined(self, name: str, timeout_s: float) -> None: ...
+
+    def broadcast(self, name: str, weights: Any, names: list[str], timeout_s: float) -> None: ...
+
+    def close_group(self, name: str) -> None: ...
+
+
+class GroupSender:
+    """Rank 0 of one group per server: hosts each group's store, joins it, broadcasts buckets into it.
+    Thread-safe: producers' calls arrive concurrently. `node`: this machine's address as other nodes
+    reach it (None: a single machine)."""
+
+    def __init__(self, *, backend: str | None = None, node: str | None = None):
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.name = f"{name}-{client.port}-{next(_names)}"
-        # NCCL moves CUDA tensors only: each bucket is copied to `device` first, a GPU the server does not
-        # use (NCCL refuses a group with two ranks on one device). Not run on a CPU machine.
-        if self.backend == "nccl" and device is None:
-            raise ValueError("an NCCL update group needs the device to send from (one the server does not use)")
-        self.device = device if self.backend == "nccl" else None
-        self.group: Any = None
+        # NCCL moves CUDA tensors only: each bucket is copied to this process's GPU first (not run here)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+        self.node = node
+        self._lock = threading.Lock()
+        self._joining: dict[str, tuple[dist.Store, _Call]] = {}
+        self._groups: dict[str, tuple[dist.Store, Any]] = {}  # rank 0 hosts the store: it lives with the group
+        self.stats = {"groups": 0, "buckets": 0, "bytes": 0}
+
+    def open_group(self, name: str, world: int, *, server: tuple[str, int], node: str | None,
+                   timeout_s: float) -> tuple[str, int, str]:
+        """Host the group's store and start joining it; (address, port, backend) for the server. `node`:
+        the address of the server's node (None: this one)."""
+        address = reaching_address(*server) if node is None or node == self.node else self.node
+        store = dist.TCPStore(address, 0, world, True, timeout=datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=False)  # port 0: a free one, no race with another process
+        joining = _Call("join-update-group", lambda: join_group(
+            store, backend=self.backend, world_size=world, rank=0, group_name=name, timeout_s=timeout_s))
+        joining.start()
+        with self._lock:
+            self._joining[name] = (store, joining)
+        return address, store.port, self.backend
+
+    def joined(self, name: str, timeout_s: float) -> None:
+        """Wait until the server's ranks are in the group (raises on a timeout or a failed join)."""
+        with self._lock:
+            store, joining = self._joining.pop(name)
+        group = joining.result(timeout_s, f"joining update group {name}")
+        with self._lock:
+            self._groups[name] = (store, group)
+            self.stats["groups"] += 1
+
+    def broadcast(self, name: str, weights: Any, names: list[str], timeout_s: float) -> None:
+        """The tensors `names` of `weights` (a mapping of arrays, or a one-element list holding the
+        object reference of one) from rank 0, in order."""
+        with self._lock:
+            held = self._groups.get(name)
+        if held is None:
+            raise RuntimeError(f"update group {name} is not open")
+        arrays = _arrays(weights)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*not writable.*")  # object-store arrays: only read
+            tensors = [torch.from_numpy(np.ascontiguousarray(arrays[n])) for n in names]
+        if self.device is not None:
+            tensors = [t.to(self.device, non_blocking=True) for t in tensors]
+        works = [dist.broadcast(t, group_src=0, group=held[1], async_op=True) for t in tensors]
+        for work in works:
+            work.wait(datetime.timedelta(seconds=timeout_s))
+        with self._lock:
+            self.stats["buckets"] += 1
+            self.stats["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+
+    def close_group(self, name: str) -> None:
+        with self._lock:
+            held = self._groups.pop(name, None)
+            self._joining.pop(name, None)
+        if held is not None:
+            c10d.destroy_process_group(held[1])
+
+    def close(self) -> None:
+        with self._lock:
+            names = list(self._groups)
+        for name in names:
+            self.close_group(name)
+
+
+def _arrays(weights: Any) -> Mapping[str, np.ndarray]:
+    if isinstance(weights, Mapping):
+        return weights
+    import ray  # a reference from the object store (the trainer's own put: a zero-copy read)
+
+    (ref,) = weights
+    return ray.get(ref)
+
+
+class UpdateGroup:
+    """The group between the sender (rank 0) and one server process's TP ranks (1 … TP), driven from
+    the producer that owns the server."""
+
+    def __init__(self, client: SglangClient, sender: Sender, *, tensor_parallel: int = 1, timeout_s: float = 300.0,
+                 name: str = "streamrl", node: str | None = None):
+        self.client, self.sender, self.tensor_parallel, self.timeout_s = client, sender, tensor_parallel, timeout_s
+        self.name, self.node = f"{name}-{client.port}-{next(_names)}", node
+        self.open_ = False
 
     def open(self) -> None:
         world = 1 + self.tensor_parallel
-        address = reaching_address(self.client.host, self.client.port)
-        store = dist.TCPStore(address, 0, world, True, timeout=datetime.timedelta(seconds=self.timeout_s),
-                              wait_for_workers=False)  # port 0: a free one, no race with another process
+        address, port, backend = self.sender.open_group(self.name, world, server=(self.client.host, self.client.port),
+                                                        node=self.node, timeout_s=self.timeout_s)
         server = _Call("init-update-group", lambda: self.client.init_weights_update_group(
-            master_address=address, master_port=store.port, rank_offset=1, world_size=world,
-            group_name=self.name, backend=self.backend, timeout_s=self.timeout_s))
-        joining = _Call("join-update-group", lambda: join_group(
-            store, backend=self.backend, world_size=world, rank=0, group_name=self.name, timeout_s=self.timeout_s))
+            master_address=address, master_port=port, rank_offset=1, world_size=world, group_name=self.name,
+            backend=backend, timeout_s=self.timeout_s))
         server.start()
-        joining.start()
-        server.result(self.timeout_s, f"{self.client.url}/init_weights_update_group")  # its refusal raises at once
-        self.group = joining.result(self.timeout_s, f"joining update group {self.name}")
-        self._store = store  # rank 0 hosts the store: it lives as long as the group
+        try:
+            server.result(self.timeout_s, f"{self.client.url}/init_weights_update_group")  # its refusal raises
+            self.sender.joined(self.name, self.timeout_s)
+        except BaseException:
+            self.sender.close_group(self.name)
+            raise
+        self.open_ = True
 
-    def send(self, names: Sequence[str], arrays: Sequence[np.ndarray], *, flush_cache: bool = False) -> None:
-        """One bucket: announce it to the server and broadcast its tensors, in order; `flush_cache`
-        (the version's last bucket): the server then drops its prefix cache, computed by the old weights."""
-        if self.group is None:
+    def send(self, names: Sequence[str], arrays: Sequence[np.ndarray], weights: Any, *,
+             flush_cache: bool = False) -> None:
+        """One bucket: announce it to the server (`arrays`: its tensors, for their dtypes and shapes)
+        while the sender broadcasts them from `weights`; `flush_cache` (the version's last bucket): the
+        server then drops its prefix cache, computed by the old weights."""
+        if not self.open_:
             raise RuntimeError(f"update group {self.name} is not open")
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*not writable.*")  # object-store arrays: only read
-            tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-        if self.device is not None:
-            tensors = [t.to(self.device, non_blocking=True) for t in tensors]
         post = _Call("update-from-distributed", lambda: self.client.update_weights_from_distributed(
             list(names), [dtype_name(a) for a in arrays], [list(a.shape) for a in arrays], group_name=self.name,
             flush_cache=flush_cache, timeout_s=self.timeout_s))
+        sending = _Call("broadcast", lambda: self.sender.broadcast(self.name, weights, list(names), self.timeout_s))
         post.start()
-        works = [dist.broadcast(t, group_src=0, group=self.group, async_op=True) for t in tensors]
-        post.result(self.timeout_s + 5.0, f"{self.client.url}/update_weights_from_distributed")
-        for work in works:  # the server has everything; these finish at once (or time out, bounded)
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        sending.start()
+        post.result(self.timeout_s + 5.0, f"{self.client.url}/update_weights_from_distributed")  # a refusal: now
+        sending.result(self.timeout_s + 5.0, f"broadcast into {self.name}")
 
     def close(self) -> None:
-        group, self.group = self.group, None
-        if group is not None:
-            c10d.destroy_process_group(group)
-        self._store = None
+        if self.open_:
+            self.open_ = False
+            self.sender.close_group(self.name)
 
 
 class UpdateGroups:
     """One open group per server process, opened on first use. `generation(client)` names the server
     process behind a client (its restart count): a restarted server is a new process, outside the old
-    group, so it gets a new one."""
+    group, so it gets a new one. `sender`: rank 0 of every group (default: this process); `node`: the
+    address of this process's node, for a sender on another one."""
 
-    def __init__(self, *, tensor_parallel: int = 1, backend: str | None = None, timeout_s: float = 300.0,
+    def __init__(self, sender: Sender | None = None, *, tensor_parallel: int = 1, timeout_s: float = 300.0,
                  name: str = "streamrl", generation: Callable[[SglangClient], int] = lambda client: 0,
-                 device_of: Callable[[SglangClient], torch.device | None] = lambda client: None):
-        self.tensor_parallel, self.backend, self.timeout_s, self.name = tensor_parallel, backend, timeout_s, name
-        self.generation, self.device_of = generation, device_of
+                 node: str | None = None):
+        self.sender = sender if sender is not None else GroupSender()
+        self.tensor_parallel, self.timeout_s, self.name, self.node = tensor_parallel, timeout_s, name, node
+        self.generation = generation
         self._groups: dict[str, tuple[int, UpdateGroup]] = {}
         self._lock = threading.Lock()
         self.opened = 0
@@ -180,8 +272,8 @@ class UpdateGroups:
         if held is not None and held[0] == generation:
             return held[1]
         self.drop(client)
-        group = UpdateGroup(client, tensor_parallel=self.tensor_parallel, backend=self.backend,
-                            timeout_s=self.timeout_s, name=self.name, device=self.device_of(client))
+        group = UpdateGroup(client, self.sender, tensor_parallel=self.tensor_parallel, timeout_s=self.timeout_s,
+                            name=self.name, node=self.node)
         group.open()
         with self._lock:
             self._groups[client.url] = (generation, group)
@@ -201,17 +293,20 @@ class UpdateGroups:
             group.close()
 
 
-def distributed_loader(groups: UpdateGroups, arrays: Mapping[str, np.ndarray],
-                       bucket_bytes: int) -> Callable[[SglangClient], None]:
+def distributed_loader(groups: UpdateGroups, arrays: Mapping[str, np.ndarray], bucket_bytes: int,
+                       weights: Any = None) -> Callable[[SglangClient], None]:
     """A `load(client)` for `SglangEngine.update_weights`: `arrays` bucket by bucket over that server's
-    group. A load that fails drops the group, so the next one (after a restart, say) opens a new one."""
+    group, the sender broadcasting from `weights` (default: `arrays`; a sender in another process gets
+    the version's object reference in a list). A load that fails drops the group, so the next one
+    (after a restart, say) opens a new one."""
     buckets = plan_buckets(arrays, bucket_bytes)
+    source = arrays if weights is None else weights
 
     def load(client: SglangClient) -> None:
         group = groups.get(client)
         try:
             for i, names in enumerate(buckets):
-                group.send(names, [arrays[name] for name in names], flush_cache=i == len(buckets) - 1)
+                group.send(names, [arrays[name] for name in names], source, flush_cache=i == len(buckets) - 1)
         except BaseException:
             groups.drop(client)
             raise
