@@ -187,8 +187,8 @@ class TrainerSection(_Section):
     reserving `num_cpus` and `num_gpus`."""
     data_parallel: int = Field(1, ge=1)
     """megatron backend: copies of the (tensor-parallel) model, each training on its share of every
-    mini-batch's groups, gradients summed across them; the trainer runs tensor_parallel × data_parallel
-    rank actors. Above 1, `queue.groups_per_step` must be divisible by data_parallel × minibatches."""
+    mini-batch's groups, gradients summed across them. Above 1, `queue.groups_per_step` must be
+    divisible by data_parallel × minibatches."""
     pipeline_parallel: int = Field(1, ge=1)
     """megatron backend: stages the model's layers are split over in order (it must divide the layer
     count), micro-batches flowing through them one-forward-one-backward; the trainer runs

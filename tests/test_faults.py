@@ -4,6 +4,7 @@ what it can, stops cleanly with a resumable checkpoint when it cannot, and loses
 import json
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -55,6 +56,25 @@ def test_producers_killed_mid_generation_and_right_after_a_commit_are_replaced(r
     assert sum(e["prompts_returned"] for e in replaced) >= 1
     # a batch committed just before its producer died belongs to the queue: it is trained, nothing is lost
     assert_nothing_lost_or_repeated(run_dir, 6)
+
+
+def test_an_sglang_producer_killed_after_a_commit_is_replaced_and_the_trainer_sends_to_its_new_servers(
+        ray_local, tmp_path, armed):
+    """Weights by broadcast from the trainer: the dead producer's update groups are closed in the
+    trainer, its replacement starts new servers (same ports) and opens new groups under new names."""
+    directory = armed("producer.after_commit=kill@14")  # after a few versions went into the servers
+    launcher = json.dumps([sys.executable, os.path.join(os.path.dirname(__file__), "fake_sglang.py"),
+                           "--token-delay-s", "0.001", "--update-delay-s", "0.01"])
+    summary, run_dir = run_tiny(tmp_path, "sglang-death", "run.steps=5", "producers.engine=sglang",
+                                "producers.count=1", f"producers.sglang.launcher={launcher}",
+                                "producers.sglang.servers=2", "producers.sglang.base_port=31760",
+                                "producers.sglang.weights=distributed")
+    assert failpoints.fired(directory) == ["producer.after_commit"]
+    assert summary["stopped_by"] == "steps" and summary["producer_restarts"] == 1
+    (replaced,) = run_dir.read("events.jsonl")
+    assert replaced["event"] == "producer_replaced" and replaced["update_groups_closed"] == 2
+    assert summary["trainer_weight_broadcasts"]["groups"] == 4  # two servers, twice
+    assert_nothing_lost_or_repeated(run_dir, 5)
 
 
 def test_a_producer_that_keeps_dying_fails_the_run_once_restarts_are_used_up(ray_local, tmp_path, armed):

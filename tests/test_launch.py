@@ -259,10 +259,13 @@ def test_an_existing_run_directory_is_not_overwritten(tmp_path):
         prepare(None, tiny(tmp_path, "taken"))
 
 
-def test_resume_refuses_to_change_what_defines_the_data(tmp_path):
-    _, run_dir, _ = prepare(None, tiny(tmp_path, "frozen"))
-    with pytest.raises(ConfigError, match="queue.group_size cannot change"):
-        prepare(None, ["queue.group_size=8"], resume=str(run_dir.path))
+@pytest.mark.parametrize("change, field", [("queue.group_size=8", "queue.group_size"),
+                                           ("trainer.tensor_parallel=2", "trainer.tensor_parallel"),
+                                           ("trainer.pipeline_parallel=2", "trainer.pipeline_parallel")])
+def test_resume_refuses_to_change_what_defines_the_data_or_the_optimizer_shards(tmp_path, change, field):
+    _, run_dir, _ = prepare(None, tiny(tmp_path, "frozen", "trainer.backend=megatron"))
+    with pytest.raises(ConfigError, match=f"{field} cannot change"):
+        prepare(None, [change], resume=str(run_dir.path))
 
 
 def test_unknown_cli_verbs_and_flags_exit_with_usage():

@@ -398,11 +398,35 @@ def test_on_cuda_weights_by_tensor_handle_reach_a_server_exactly():
     server = start_fake("--update-delay-s", "0.0")
     try:
         arrays = mixed_weights(4)
-        tensor_loader(arrays, bucket_bytes=2560, device_of=lambda client: torch.device("cuda", 0))(
+        tensor_loader(arrays, bucket_bytes=2560, devices_of=lambda client: [torch.device("cuda", 0)])(
             SglangClient(server.url))
         assert server_digest(server) == arrays_digest(arrays)
     finally:
         server.stop()
+
+
+def test_a_sender_refuses_a_group_name_twice_and_closes_a_dead_producers_groups_by_prefix():
+    """The sender (the trainer, in a run) outlives producers: a dead one's groups are closed by its
+    prefix, which frees their names; another producer's (p10 against p1) stay."""
+    from streamrl.weights.broadcast import GroupSender
+
+    sender = GroupSender()
+
+    def open_group(name):  # a group of rank 0 alone: joined at once
+        sender.open_group(name, 1, server=("127.0.0.1", 1), node=None, timeout_s=10)
+        sender.joined(name, 10)
+
+    for name in ("run-p1-a", "run-p1-b", "run-p10-a"):
+        open_group(name)
+    with pytest.raises(ValueError, match="update group run-p1-a is already open"):
+        open_group("run-p1-a")
+    assert sender.close_groups("run-p1-") == 2 and sender.stats["groups"] == 3
+    open_group("run-p1-a")  # its name is free again
+    sender.broadcast("run-p10-a", mixed_weights(1), ["steps"], 10)  # a group of one: nothing to wait for
+    with pytest.raises(RuntimeError, match="update group run-p1-b is not open"):
+        sender.broadcast("run-p1-b", mixed_weights(1), ["steps"], 10)
+    sender.close()
+    assert sender.close_groups("") == 0
 
 
 def test_a_restarted_server_gets_a_new_group_and_then_the_next_version(server):

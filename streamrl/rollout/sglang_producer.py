@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from safetensors.numpy import save_file
 
+from streamrl import failpoints
 from streamrl.buffer.queue import Ticket
 from streamrl.config import SglangSection
 from streamrl.engine.generation import Generation
@@ -38,6 +39,7 @@ from streamrl.engine.sglang.engine import EngineLost, EnginePool, Loader, Sample
 from streamrl.engine.sglang.server import ServerProcess
 from streamrl.rollout.producer import QueueClient, pack_groups
 from streamrl.tasks import Task
+from streamrl.weights.arrays import resolve
 from streamrl.weights.broadcast import Sender, UpdateGroups, distributed_loader
 from streamrl.weights.receiver import Fetch
 from streamrl.weights.tensor_handles import tensor_loader
@@ -78,33 +80,35 @@ def disk_loader(path: str) -> Loader:
     return lambda client: client.update_weights_from_disk(path)
 
 
-LoaderFor = Callable[..., Loader]  # (version, weights) → how that version enters a server
+LoaderFor = Callable[[int, Any], Loader]  # (version, weights) → how that version enters a server
 
 
 def weight_path(section: SglangSection, servers: list[ServerProcess], *, model_dir: str, directory: Path,
                 name: str, sender: Sender | None = None, node: str | None = None
                 ) -> tuple[LoaderFor, UpdateGroups | None]:
-    """The loader of `producers.sglang.weights`, called as `(version, arrays, source)`, and the update
-    groups to close with the servers ("distributed" only). `directory`: where "disk" writes versions;
-    `name`: the groups' prefix; `sender`: rank 0 of the groups (the trainer), which broadcasts from
-    `source` (the version's object reference in a list), from `node`'s point of view."""
+    """The `loader_for` of `producers.sglang.weights` and the update groups to close with the servers
+    ("distributed" only). `weights` is a version's arrays or `[object reference]` to them (read here
+    only by the paths that move the bytes themselves). `directory`: where "disk" writes versions;
+    `name`: the groups' prefix; `sender`: rank 0 of the groups (the trainer), seen from `node`."""
     bucket_bytes = section.bucket_mb << 20
     if section.weights == "disk":
         disk = DiskWeights(model_dir, directory)
-        return (lambda version, arrays, source=None: disk.loader(version, arrays)), None
+        return (lambda version, weights: disk.loader(version, resolve(weights))), None
     if section.weights == "distributed":
         by_url = {s.url: s for s in servers}  # a restarted server is a new process: a new group
         groups = UpdateGroups(sender, tensor_parallel=section.tensor_parallel, timeout_s=section.weights_timeout_s,
                               name=name, generation=lambda client: by_url[client.url].restarts, node=node)
-        return (lambda version, arrays, source=None: distributed_loader(groups, arrays, bucket_bytes, source)), \
-            groups
+        return (lambda version, weights: distributed_loader(groups, weights, bucket_bytes)), groups
     first_gpu = {s.url: s.spec.base_gpu_id for s in servers}  # as this process numbers its GPUs
 
-    def device_of(client: SglangClient) -> torch.device | None:  # the server's first GPU; none: host memory
-        return torch.device("cuda", first_gpu[client.url]) if torch.cuda.is_available() else None
+    def devices_of(client: SglangClient) -> list[torch.device] | None:  # the server's GPUs; none: host memory
+        if not torch.cuda.is_available():
+            return None
+        return [torch.device("cuda", first_gpu[client.url] + rank) for rank in range(section.tensor_parallel)]
 
-    return (lambda version, arrays, source=None: tensor_loader(
-        arrays, bucket_bytes, tensor_parallel=section.tensor_parallel, device_of=device_of)), None
+    return (lambda version, weights: tensor_loader(resolve(weights), bucket_bytes,
+                                                   tensor_parallel=section.tensor_parallel,
+                                                   devices_of=devices_of)), None
 
 
 class SglangProducer:
@@ -202,6 +206,7 @@ class SglangProducer:
         except BaseException:
             self.queue.abandon([ticket.ticket_id])
             raise
+        failpoints.hit("producer.after_commit")  # committed: its ticket is the queue's now
         self.stats["groups"] += 1
         self.stats["samples"] += len(samples)
         self.stats["generated_tokens"] += int(sum(lengths))

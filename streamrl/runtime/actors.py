@@ -55,14 +55,19 @@ class RemoteQueue:
 
 def remote_fetch(weights: ray.actor.ActorHandle, holder: int, *, by_reference: bool = False):
     """Newer weights from the weights actor, held by `holder`: their arrays (read-only views of the
-    object store), or with `by_reference` their object reference."""
+    object store), or with `by_reference` `[object reference]` (`streamrl.weights.arrays.resolve`)."""
     def fetch(have: int | None, timeout: float) -> tuple[int, Any] | None:
         got = ray.get(weights.acquire.remote(holder, have, timeout))
         if got is None:
             return None
-        version, (ref,) = got
-        return version, ref if by_reference else ray.get(ref)
+        version, refs = got
+        return version, refs if by_reference else ray.get(refs[0])
     return fetch
+
+
+def update_group_prefix(run_name: str, producer_id: int) -> str:
+    """The names of producer `producer_id`'s update groups start with this (a replacement's too)."""
+    return f"streamrl-{run_name}-p{producer_id}-"
 
 
 class RemoteSender:
@@ -78,6 +83,9 @@ class RemoteSender:
 
     def joined(self, name: str, timeout_s: float) -> None:
         ray.get(self.trainer.join_update_group.remote(name, timeout_s))
+
+    def manifest(self, weights: Any) -> dict[str, Any]:
+        return ray.get(self.trainer.weights_manifest.remote(weights))  # the trainer reads its own put
 
     def broadcast(self, name: str, weights: Any, names: list[str], timeout_s: float) -> None:
         ray.get(self.trainer.broadcast_weights.remote(name, weights, names, timeout_s))  # weights: [ref]
@@ -198,12 +206,9 @@ class SglangProducerActor:
         versions_dir = Path(weights_dir or model_dir) / f"weights-producer-{producer_id}"  # "disk" writes here
         sender = RemoteSender(ray.get_actor(actor_name(run_name, "trainer"), namespace=NAMESPACE)) \
             if sg.weights == "distributed" else None
-        path_loader, self.groups = weight_path(sg, self.servers, model_dir=model_dir, directory=versions_dir,
-                                               name=f"streamrl-{run_name}-p{producer_id}", sender=sender,
-                                               node=ray.util.get_node_ip_address())
-
-        def loader_for(version: int, ref: ray.ObjectRef):  # the arrays here; a remote sender reads them itself
-            return path_loader(version, ray.get(ref), [ref])
+        loader_for, self.groups = weight_path(sg, self.servers, model_dir=model_dir, directory=versions_dir,
+                                              name=update_group_prefix(run_name, producer_id), sender=sender,
+                                              node=ray.util.get_node_ip_address())
 
         self.producer = SglangProducer(
             producer_id, queue=RemoteQueue(get_queue_actor(run_name)), pool=pool, task=task,
@@ -421,11 +426,18 @@ class TrainerActor(TrainerShell):
     def join_update_group(self, name: str, timeout_s: float) -> None:
         self._sender().joined(name, timeout_s)
 
+    def weights_manifest(self, weights: list[ray.ObjectRef]) -> dict[str, Any]:
+        return self._sender().manifest(weights)
+
     def broadcast_weights(self, name: str, weights: list[ray.ObjectRef], names: list[str], timeout_s: float) -> None:
         self._sender().broadcast(name, weights, names, timeout_s)
 
     def close_update_group(self, name: str) -> None:
         self._sender().close_group(name)
+
+    def close_update_groups(self, prefix: str) -> int:
+        """Leave a dead producer's groups (it cannot): their stores and threads go with them."""
+        return 0 if self._group_sender is None else self._group_sender.close_groups(prefix)
 
     def weight_broadcasts(self) -> dict[str, int]:
         """Groups joined, buckets and bytes sent as rank 0 so far ({} when none was opened)."""

@@ -27,7 +27,13 @@ import ray
 from streamrl import failpoints
 from streamrl.buffer.actor import NAMESPACE, create_queue_actor
 from streamrl.config import ConfigError, RunConfig
-from streamrl.runtime.actors import ProducerActor, SglangProducerActor, TrainerActor, create_actor
+from streamrl.runtime.actors import (
+    ProducerActor,
+    SglangProducerActor,
+    TrainerActor,
+    create_actor,
+    update_group_prefix,
+)
 from streamrl.runtime.connect import RayConnectError, join_cluster, start_local
 from streamrl.runtime.progress import ProgressView
 from streamrl.runtime.rundir import RunDir, RunDirError
@@ -35,7 +41,8 @@ from streamrl.runtime.summary import summarize
 from streamrl.weights.actor import WeightsActor
 
 # Fields a resumed run may not change: they define the data already generated and the model trained.
-FROZEN_ON_RESUME = ("model", "task", "queue.group_size", "queue.groups_per_step", "trainer.backend")
+FROZEN_ON_RESUME = ("model", "task", "queue.group_size", "queue.groups_per_step", "trainer.backend",
+                    "trainer.tensor_parallel", "trainer.pipeline_parallel")  # the optimizer state is saved per shard
 METRICS_FILE, GROUPS_FILE, EVAL_FILE, EVENTS_FILE = "metrics.jsonl", "groups.jsonl", "eval.jsonl", "events.jsonl"
 
 
@@ -235,9 +242,9 @@ class Run:
         trainer_resume = str(self.resume_from / "trainer") if self.resume_from else None
         self.config_dict = config_dict = cfg.model_dump(mode="json")
         self.trainer_group = trainer_placement(cfg)  # tensor-parallel ranks kept on one node
-        # a step and a cancel, and with "distributed" weights each producer's group calls (one server at a time)
-        broadcasts = cfg.producers.count if (cfg.producers.engine, cfg.producers.sglang.weights) == (
-            "sglang", "distributed") else 0
+        # a step and a cancel; with "distributed" weights each producer's group calls (one server at a time:
+        # a broadcast, and the open or close that can overlap a failed one)
+        broadcasts = 3 * cfg.producers.count if self.trainer_sends_weights else 0
         self.trainer = create_actor(TrainerActor, self.name, "trainer", self.name, config_dict, str(trainer_model),
                                     trainer_resume, search_path, self.trainer_group, num_cpus=cfg.trainer.num_cpus,
                                     num_gpus=cfg.trainer.num_gpus, max_concurrency=2 + broadcasts,
@@ -304,6 +311,8 @@ class Run:
                 ray.get(call(), timeout=30)
             except ray.exceptions.ActorDiedError:
                 return role
+            except ray.exceptions.GetTimeoutError:
+                continue  # alive, only busy (a trainer's threads can all be in weight broadcasts)
         return None
 
     def failure(self, exc: BaseException) -> RunFailed | None:
@@ -330,24 +339,31 @@ class Run:
             raise RunFailed(f"producer {pid} died in a colocated run, which does not replace producers "
                             f"({_first_line(exc)}); resume with: streamrl launch --resume {self.run_dir.path}") from exc
         self.producer_restarts += 1
-        returned = self._release_producer(pid)
+        returned, groups_closed = self._release_producer(pid)
         old = self.producers[pid]
         ray.kill(old)  # already gone; this only makes sure
         self.actors.remove(old)
         self.producers[pid] = self._create_producer(pid, restart=self.producer_restarts)
         self.producer_runs[pid] = self.producers[pid].run.remote()
         self.run_dir.append(EVENTS_FILE, {"event": "producer_replaced", "producer": pid, "step": self.step,
-                                          "prompts_returned": len(returned), "error": _first_line(exc),
-                                          "at": time.time()})
+                                          "prompts_returned": len(returned), "update_groups_closed": groups_closed,
+                                          "error": _first_line(exc), "at": time.time()})
         if self._view is not None:
             self._view.print(f"producer {pid} died ({_first_line(exc)}); {len(returned)} running groups go back "
                              f"to the queue, a new producer takes its place")
 
-    def _release_producer(self, pid: int) -> list[int]:
-        """What a dead producer held: its running tickets (their prompts go back) and its weights version."""
+    def _release_producer(self, pid: int) -> tuple[list[int], int]:
+        """What a dead producer held: its running tickets (their prompts go back), its weights version,
+        and (weights by broadcast) its update groups in the trainer. The tickets, and the groups closed."""
         returned = ray.get(self.queue.abandon_producer.remote(pid))
         ray.get(self.weights.drop_holder.remote(pid))
-        return returned
+        closed = ray.get(self.trainer.close_update_groups.remote(update_group_prefix(self.name, pid))) \
+            if self.trainer_sends_weights else 0
+        return returned, closed
+
+    @property
+    def trainer_sends_weights(self) -> bool:
+        return (self.config.producers.engine, self.config.producers.sglang.weights) == ("sglang", "distributed")
 
     def _evaluate(self, started: float) -> dict[str, Any]:
         result = {"step": self.step, "elapsed_s": self._elapsed(started), **self._await(self.trainer.evaluate.remote())}
@@ -467,7 +483,7 @@ class Run:
                             producers=self.producer_stats, weight_histories=self.weight_histories,
                             queue=ray.get(self.queue.status.remote()))
         summary["producer_restarts"] = self.producer_restarts
-        if (self.config.producers.engine, self.config.producers.sglang.weights) == ("sglang", "distributed"):
+        if self.trainer_sends_weights:
             summary["trainer_weight_broadcasts"] = ray.get(self.trainer.weight_broadcasts.remote())
         self.run_dir.write_json("summary.json", summary)
         return summary

@@ -2,16 +2,20 @@
 `streamrl.correction`, AdamW, rollback on a non-finite gradient) over a megatron-core `GPTModel`.
 
 ```
- HF model dir ─convert─► this rank's GPTModel shard      (streamrl.megatron.convert / .model)
- step:  this DP rank's groups of the mini-batch ─► θ log-probs vocabulary-parallel ─► loss / mini-batch
-        tokens (all DP ranks') ─► backward ─► gradients summed over DP ─► norm over TP ─► AdamW
- out:   DP rank 0's shards ─gather over its TP group─► HF names ─► weights for the engines, checkpoints, eval
+ HF model dir ─convert─► this rank's GPTModel shard: its TP slice of its stage's layers  (.convert / .model)
+ step:  this DP rank's groups of the mini-batch ─► micro-batches through the stages (1F1B, .pipeline)
+        ─► θ log-probs vocabulary-parallel on the last stage ─► loss / mini-batch tokens (all DP ranks')
+        ─► backward ─► gradients summed over DP (and a tied embedding's two copies) ─► norm over TP and
+        PP ─► AdamW
+ out:   DP rank 0's shards ─gather over each stage's TP group─► HF names ─► stages sent to rank 0
+        ─► weights for the engines, checkpoints, eval
 ```
 Weights enter and leave in Hugging Face names, so producers, checkpoints and `--resume` do not know
 which trainer made them. Every rank runs the same calls on the same batch; the ranks of a
 tensor-parallel group compute on the same rows, each data-parallel rank on its own share of whole
-groups. The DP ranks start from the same weights and apply the same summed gradient, so they hold
-identical weights and optimizer state: exports and checkpoints come from DP rank 0 alone.
+groups, each pipeline stage on its layers of the same micro-batches. The DP ranks start from the same
+weights and apply the same summed gradient, so they hold identical weights and optimizer state:
+exports and checkpoints come from DP rank 0 alone.
 """
 
 from __future__ import annotations

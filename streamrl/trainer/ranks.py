@@ -6,7 +6,8 @@ own, and every call runs on all of them at once (the collectives and sends insid
  trainer actor (rank 0) ── train(table) ──┬─ local MegatronTrainer.train(table)
                           (ray.put once)  └─ rank r actor: .run("train", table)   (r = 1..N−1, same table)
  each rank trains on its DP rank's share of the table's groups; gradients are summed over DP
- weights / eval / checkpoint: the gather over DP rank 0's TP group, rank 0 keeps the result
+ weights / eval / checkpoint: each stage's DP rank 0 gathers over its TP group, the stages send theirs to
+ rank 0, which keeps the result
 ```
 Every rank gets the whole table and takes its share itself (`MegatronTrainer._shard`): the table is
 put in the object store once, is small next to the model, and the split then lives in one place, next

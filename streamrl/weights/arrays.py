@@ -5,6 +5,8 @@ import here, so processes that only receive weights start quickly."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,3 +42,14 @@ def load_state_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> 
         warnings.filterwarnings("ignore", message=".*not writable.*")
         for name, array in arrays.items():
             state[name].copy_(torch.from_numpy(array))
+
+
+def resolve(weights: Any) -> Mapping[str, np.ndarray]:
+    """A version's arrays from a weights handle: a mapping as it is, or `[object reference]` (a list,
+    so Ray passes the reference through calls instead of its value) read from the object store."""
+    if isinstance(weights, Mapping):
+        return weights
+    import ray
+
+    (ref,) = weights
+    return ray.get(ref)

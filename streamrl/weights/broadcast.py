@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import os
+import secrets
 import socket
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -41,11 +44,15 @@ from torch.distributed import distributed_c10d as c10d
 
 from streamrl.engine.sglang.client import SglangClient
 from streamrl.runtime.net import is_loopback
+from streamrl.weights.arrays import resolve
 
-_names = itertools.count()  # group names are unique in this process (torch refuses a name twice)
+# Group names are unique across processes (torch refuses a name twice in one, and a replacement
+# producer must not reuse a dead one's names in the sender): this process's token, then a count.
+_names = itertools.count()
+_PROCESS_TOKEN = secrets.token_hex(4)
 
 
-def plan_buckets(arrays: Mapping[str, np.ndarray], bucket_bytes: int) -> list[list[str]]:
+def plan_buckets(arrays: Mapping[str, np.ndarray | TensorSpec], bucket_bytes: int) -> list[list[str]]:
     """Names in order, cut into buckets of at most `bucket_bytes` each (a larger tensor goes alone)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -65,6 +72,19 @@ def dtype_name(array: np.ndarray) -> str:
     return str(torch.from_numpy(np.empty(0, array.dtype)).dtype).removeprefix("torch.")
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a server is told of a tensor before it receives it."""
+
+    dtype: str  # sglang's name, see dtype_name
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def manifest(arrays: Mapping[str, np.ndarray]) -> dict[str, TensorSpec]:
+    return {name: TensorSpec(dtype_name(a), tuple(a.shape), a.nbytes) for name, a in arrays.items()}
+
+
 def reaching_address(host: str, port: int) -> str:
     """This machine's address as the server sees it: loopback for a loopback server, else the address
     of the interface that routes to it (a UDP connect sends nothing)."""
@@ -75,12 +95,28 @@ def reaching_address(host: str, port: int) -> str:
         return probe.getsockname()[0]
 
 
+_NCCL_ERRORS = threading.Lock()  # the error-handling variable is read while a group is built
+
+
 def join_group(store: dist.Store, *, backend: str, world_size: int, rank: int, group_name: str,
                timeout_s: float) -> Any:
-    """Join a process group through `store`, outside the default group (sglang's layout, see above)."""
-    group, _ = c10d._new_process_group_helper(world_size, rank, [], backend, dist.PrefixStore(group_name, store),
-                                              group_name=group_name,
-                                              timeout=datetime.timedelta(seconds=timeout_s))
+    """Join a process group through `store`, outside the default group (sglang's layout, see above).
+    An NCCL group is built with error handling 2 (clean up only): by default a collective that times
+    out, or a peer that dies, tears the whole process down, and the sender is the trainer."""
+    with _NCCL_ERRORS:
+        saved = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        if backend == "nccl":
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        try:
+            group, _ = c10d._new_process_group_helper(world_size, rank, [], backend,
+                                                      dist.PrefixStore(group_name, store), group_name=group_name,
+                                                      timeout=datetime.timedelta(seconds=timeout_s))
+        finally:
+            if backend == "nccl":
+                if saved is None:
+                    os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+                else:
+                    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = saved
     c10d._world.pg_group_ranks[group] = {r: r for r in range(world_size)}  # group rank = rank in the group
     return group
 
@@ -108,12 +144,15 @@ class _Call(threading.Thread):
 
 
 class Sender(Protocol):
-    """Rank 0 of the update groups: the process that sends the weights (see the module docstring)."""
+    """Rank 0 of the update groups: the process that sends the weights (see the module docstring).
+    `weights`: a version's arrays, or `[object reference]` to them (`streamrl.weights.arrays.resolve`)."""
 
     def open_group(self, name: str, world: int, *, server: tuple[str, int], node: str | None,
                    timeout_s: float) -> tuple[str, int, str]: ...
 
     def joined(self, name: str, timeout_s: float) -> None: ...
+
+    def manifest(self, weights: Any) -> dict[str, TensorSpec]: ...
 
     def broadcast(self, name: str, weights: Any, names: list[str], timeout_s: float) -> None: ...
 
@@ -144,28 +183,34 @@ class GroupSender:
                               wait_for_workers=False)  # port 0: a free one, no race with another process
         joining = _Call("join-update-group", lambda: join_group(
             store, backend=self.backend, world_size=world, rank=0, group_name=name, timeout_s=timeout_s))
-        joining.start()
         with self._lock:
+            if name in self._joining or name in self._groups:
+                raise ValueError(f"update group {name} is already open")
             self._joining[name] = (store, joining)
+        joining.start()
         return address, store.port, self.backend
 
     def joined(self, name: str, timeout_s: float) -> None:
         """Wait until the server's ranks are in the group (raises on a timeout or a failed join)."""
         with self._lock:
-            store, joining = self._joining.pop(name)
+            store, joining = self._joining[name]
         group = joining.result(timeout_s, f"joining update group {name}")
         with self._lock:
+            if self._joining.pop(name, None) is None:  # closed meanwhile: close_group destroys it
+                raise RuntimeError(f"update group {name} was closed while it was being joined")
             self._groups[name] = (store, group)
             self.stats["groups"] += 1
 
+    def manifest(self, weights: Any) -> dict[str, TensorSpec]:
+        return manifest(resolve(weights))
+
     def broadcast(self, name: str, weights: Any, names: list[str], timeout_s: float) -> None:
-        """The tensors `names` of `weights` (a mapping of arrays, or a one-element list holding the
-        object reference of one) from rank 0, in order."""
+        """The tensors `names` of `weights` from rank 0, in order."""
         with self._lock:
             held = self._groups.get(name)
         if held is None:
             raise RuntimeError(f"update group {name} is not open")
-        arrays = _arrays(weights)
+        arrays = resolve(weights)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*not writable.*")  # object-store arrays: only read
             tensors = [torch.from_numpy(np.ascontiguousarray(arrays[n])) for n in names]
@@ -179,26 +224,31 @@ class GroupSender:
             self.stats["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
 
     def close_group(self, name: str) -> None:
+        """Leave the group (one still being joined is left once its join ends; see `joined`)."""
         with self._lock:
             held = self._groups.pop(name, None)
-            self._joining.pop(name, None)
+            joining = self._joining.pop(name, None)
         if held is not None:
             c10d.destroy_process_group(held[1])
+        if joining is not None:
+            threading.Thread(target=_destroy_when_joined, args=(joining[1],), daemon=True).start()
 
-    def close(self) -> None:
+    def close_groups(self, prefix: str) -> int:
+        """Leave every group whose name starts with `prefix` (a dead producer's); how many."""
         with self._lock:
-            names = list(self._groups)
+            names = [n for n in [*self._groups, *self._joining] if n.startswith(prefix)]
         for name in names:
             self.close_group(name)
+        return len(names)
+
+    def close(self) -> None:
+        self.close_groups("")
 
 
-def _arrays(weights: Any) -> Mapping[str, np.ndarray]:
-    if isinstance(weights, Mapping):
-        return weights
-    import ray  # a reference from the object store (the trainer's own put: a zero-copy read)
-
-    (ref,) = weights
-    return ray.get(ref)
+def _destroy_when_joined(joining: _Call) -> None:
+    joining.join()
+    if joining.error is None and joining.value is not None:
+        c10d.destroy_process_group(joining.value)
 
 
 class UpdateGroup:
@@ -208,7 +258,7 @@ class UpdateGroup:
     def __init__(self, client: SglangClient, sender: Sender, *, tensor_parallel: int = 1, timeout_s: float = 300.0,
                  name: str = "streamrl", node: str | None = None):
         self.client, self.sender, self.tensor_parallel, self.timeout_s = client, sender, tensor_parallel, timeout_s
-        self.name, self.node = f"{name}-{client.port}-{next(_names)}", node
+        self.name, self.node = f"{name}-{_PROCESS_TOKEN}-{client.port}-{next(_names)}", node
         self.open_ = False
 
     def open(self) -> None:
@@ -227,20 +277,21 @@ class UpdateGroup:
             raise
         self.open_ = True
 
-    def send(self, names: Sequence[str], arrays: Sequence[np.ndarray], weights: Any, *,
+    def send(self, names: Sequence[str], specs: Sequence[TensorSpec], weights: Any, *,
              flush_cache: bool = False) -> None:
-        """One bucket: announce it to the server (`arrays`: its tensors, for their dtypes and shapes)
-        while the sender broadcasts them from `weights`; `flush_cache` (the version's last bucket): the
-        server then drops its prefix cache, computed by the old weights."""
+        """One bucket: announce it to the server while the sender broadcasts it from `weights`;
+        `flush_cache` (the version's last bucket): the server then drops its prefix cache, computed by
+        the old weights. A refused announcement raises at once; the sender's broadcast then ends with
+        the group, which the caller drops."""
         if not self.open_:
             raise RuntimeError(f"update group {self.name} is not open")
         post = _Call("update-from-distributed", lambda: self.client.update_weights_from_distributed(
-            list(names), [dtype_name(a) for a in arrays], [list(a.shape) for a in arrays], group_name=self.name,
+            list(names), [s.dtype for s in specs], [list(s.shape) for s in specs], group_name=self.name,
             flush_cache=flush_cache, timeout_s=self.timeout_s))
         sending = _Call("broadcast", lambda: self.sender.broadcast(self.name, weights, list(names), self.timeout_s))
         post.start()
         sending.start()
-        post.result(self.timeout_s + 5.0, f"{self.client.url}/update_weights_from_distributed")  # a refusal: now
+        post.result(self.timeout_s + 5.0, f"{self.client.url}/update_weights_from_distributed")
         sending.result(self.timeout_s + 5.0, f"broadcast into {self.name}")
 
     def close(self) -> None:
@@ -293,20 +344,19 @@ class UpdateGroups:
             group.close()
 
 
-def distributed_loader(groups: UpdateGroups, arrays: Mapping[str, np.ndarray], bucket_bytes: int,
-                       weights: Any = None) -> Callable[[SglangClient], None]:
-    """A `load(client)` for `SglangEngine.update_weights`: `arrays` bucket by bucket over that server's
-    group, the sender broadcasting from `weights` (default: `arrays`; a sender in another process gets
-    the version's object reference in a list). A load that fails drops the group, so the next one
-    (after a restart, say) opens a new one."""
-    buckets = plan_buckets(arrays, bucket_bytes)
-    source = arrays if weights is None else weights
+def distributed_loader(groups: UpdateGroups, weights: Any, bucket_bytes: int) -> Callable[[SglangClient], None]:
+    """A `load(client)` for `SglangEngine.update_weights`: one version bucket by bucket over that
+    server's group, the sender broadcasting from `weights` (arrays, or `[object reference]`: then this
+    process reads only the sender's manifest, never the arrays). A load that fails drops the group, so
+    the next one (after a restart, say) opens a new one."""
+    specs = groups.sender.manifest(weights)
+    buckets = plan_buckets(specs, bucket_bytes)
 
     def load(client: SglangClient) -> None:
         group = groups.get(client)
         try:
             for i, names in enumerate(buckets):
-                group.send(names, [arrays[name] for name in names], source, flush_cache=i == len(buckets) - 1)
+                group.send(names, [specs[name] for name in names], weights, flush_cache=i == len(buckets) - 1)
         except BaseException:
             groups.drop(client)
             raise

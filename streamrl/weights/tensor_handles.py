@@ -4,13 +4,14 @@ a producer reserves the GPUs of the servers it starts).
 
 ```
  load one version (the engine has paused that server), bucket by bucket:
-   arrays ─copy─► the server's first GPU ─pickle (CUDA IPC handles)─► base64 ─► POST, one copy per server TP rank
+   arrays ─copy─► each server TP rank's GPU ─pickle (CUDA IPC handles)─► base64 ─► POST, a payload per rank
    the server opens the handles and copies into its weights; the call returns ─► the bucket is freed
  the last bucket asks the server to flush its prefix cache (KV computed by the old weights)
 ```
 The payload is sglang's `MultiprocessingSerializer` format: base64 of a pickle of `[(name, tensor), …]`
 (`load_format` None). A CUDA tensor is pickled by torch's multiprocessing reductions, so the bytes hold
-an IPC handle, not the data: one bucket of device memory in this process, no disk, no NCCL group.
+an IPC handle, not the data: one bucket per server GPU in this process for the length of a call, no
+disk, no NCCL group.
 Without CUDA (tests, the stand-in server) the tensors are pickled with their bytes, the same format.
 The server unpickles what it is sent (sglang's design): only a holder of its API key can post.
 """
@@ -42,24 +43,32 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
 
 
 def tensor_loader(arrays: Mapping[str, np.ndarray], bucket_bytes: int, *, tensor_parallel: int = 1,
-                  device_of: Callable[[SglangClient], torch.device | None] = lambda client: None
+                  devices_of: Callable[[SglangClient], list[torch.device] | None] = lambda client: None
                   ) -> Callable[[SglangClient], None]:
     """A `load(client)` for `SglangEngine.update_weights`: `arrays` bucket by bucket through
-    `/update_weights_from_tensor`, each bucket copied to `device_of(client)` (None: host memory) for
-    as long as its call lasts. Every server TP rank gets the whole bucket and loads its shard of it."""
+    `/update_weights_from_tensor`. Every server TP rank gets the whole bucket and loads its shard of
+    it: with `devices_of(client)` (that server's GPUs, one per TP rank) each rank's copy is on its own
+    GPU for as long as the call lasts; None: host memory, one payload for all ranks."""
     buckets = plan_buckets(arrays, bucket_bytes)
 
     def load(client: SglangClient) -> None:
-        device = device_of(client)
+        devices = devices_of(client)
         for i, names in enumerate(buckets):
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*not writable.*")  # object-store arrays: only read
                 named = [(name, torch.from_numpy(np.ascontiguousarray(arrays[name]))) for name in names]
-            if device is not None:
-                named = [(name, tensor.to(device)) for name, tensor in named]
-                torch.cuda.synchronize(device)  # the copies are done before another process reads them
-            payload = serialize_named_tensors(named)
-            client.update_weights_from_tensor([payload] * tensor_parallel, flush_cache=i == len(buckets) - 1)
-            del named, payload  # the server has copied the bucket: its device memory can go
+            if devices is None:
+                payloads = [serialize_named_tensors(named)] * tensor_parallel
+            else:
+                copies = [[(name, tensor.to(device)) for name, tensor in named] for device in devices]
+                for device in devices:
+                    torch.cuda.synchronize(device)  # the copies are done before another process reads them
+                payloads = [serialize_named_tensors(copy) for copy in copies]
+            client.update_weights_from_tensor(payloads, flush_cache=i == len(buckets) - 1)
+            del named, payloads  # the server has copied the bucket: its memory can go
+            if devices is not None:
+                del copies
+                torch.cuda.empty_cache()  # back to the server (colocated, the GPU is shared)
+                torch.cuda.ipc_collect()
 
     return load
