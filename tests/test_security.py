@@ -221,6 +221,9 @@ def test_a_server_started_by_streamrl_gets_a_random_key_kept_out_of_messages():
     assert command[command.index("--api-key") + 1] == first.api_key
     assert command[command.index("--host") + 1] == "127.0.0.1"
     assert first.api_key not in repr(first)
+    # a key starting with "-" is read by the server's argparse as a flag and the server exits (code 2):
+    # with urlsafe base64 keys that was 1 start in 64
+    assert not any(ServerSpec(model_path="m").api_key.startswith("-") for _ in range(1000))
 
 
 def test_the_fake_server_refuses_requests_without_the_key_as_sglang_does():

@@ -42,7 +42,8 @@ class ServerSpec:
     seed: int = 0
     extra_args: list[str] = field(default_factory=list)
     launcher: list[str] | None = None  # the command before the flags; None: python -m sglang.launch_server
-    api_key: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
+    # hex: a key starting with "-" would be read by the server's argparse as another flag
+    api_key: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
 
     def command(self) -> list[str]:
         launcher = self.launcher or [sys.executable, "-m", "sglang.launch_server"]
