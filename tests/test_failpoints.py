@@ -93,3 +93,27 @@ def test_a_write_killed_half_way_leaves_the_previous_checkpoint_in_force(tmp_pat
     stale.mkdir()
     run_dir.write_checkpoint(6, lambda tmp: None, {"step": 6}, keep=2)
     assert not stale.exists() and run_dir.verified_checkpoint().name == "step_000006"
+
+
+def test_a_write_interrupted_after_its_directory_is_in_place_is_finished_not_written_twice(tmp_path, monkeypatch):
+    """Ctrl-C between the rename and `latest` (seen in CI): the final checkpoint at the same step
+    adopts the directory instead of failing on it."""
+    run_dir = write_checkpoints(tmp_path)
+    real = run_dir.make_latest
+    calls = []
+
+    def interrupted_once(target, keep):
+        calls.append(target.name)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(target, keep)
+
+    monkeypatch.setattr(run_dir, "make_latest", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        run_dir.write_checkpoint(6, lambda tmp: None, {"step": 6}, keep=2)
+    assert run_dir.step_dir(6).is_dir() and run_dir.latest_checkpoint().name == "step_000004"
+    with pytest.raises(FileExistsError):  # what the launcher did before: write the same step again
+        run_dir.write_checkpoint(6, lambda tmp: None, {"step": 6}, keep=2)
+    run_dir.make_latest(run_dir.step_dir(6), keep=2)  # what it does now (Run.checkpoint)
+    assert run_dir.verified_checkpoint().name == "step_000006"
+    assert sorted(p.name for p in run_dir.checkpoints.glob("step_*")) == ["step_000004", "step_000006"]

@@ -437,6 +437,10 @@ class Run:
     def checkpoint(self, started: float) -> Path | None:
         if self.last_checkpoint_step == self.step:
             return None
+        written = self.run_dir.step_dir(self.step)
+        if written.is_dir():  # in place (renamed whole) when a Ctrl-C cut its writer short: finish that one
+            self.last_checkpoint_step = self.step
+            return self.run_dir.make_latest(written, self.config.run.keep_checkpoints)
 
         def write(tmp: Path) -> None:
             ray.get(self.trainer.checkpoint.remote(str(tmp / "trainer")))

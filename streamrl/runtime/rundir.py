@@ -107,7 +107,11 @@ class RunDir:
 
         self.checkpoints.mkdir(exist_ok=True)
         remove_torn_directories(self.checkpoints)
-        target = atomic_directory(self.step_dir(step), fill)
+        return self.make_latest(atomic_directory(self.step_dir(step), fill), keep)
+
+    def make_latest(self, target: Path, keep: int) -> Path:
+        """Point `latest` at a complete checkpoint directory and keep the newest `keep`. Also finishes a
+        checkpoint whose writer was interrupted after its directory was in place."""
         latest_tmp = self.checkpoints / ".latest.tmp"
         latest_tmp.write_text(target.name + "\n")
         latest_tmp.replace(self.checkpoints / "latest")
