@@ -2,13 +2,18 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from streamrl import failpoints
+from streamrl.chaos.faults import tiny_settings as tiny
 from streamrl.config import RunConfig
+from streamrl.runtime.interrupts import interrupts_deferred
+from streamrl.runtime.launch import Run, prepare
 from streamrl.runtime.rundir import RunDir, RunDirError
 
 
@@ -117,3 +122,51 @@ def test_a_write_interrupted_after_its_directory_is_in_place_is_finished_not_wri
     run_dir.make_latest(run_dir.step_dir(6), keep=2)  # what it does now (Run.checkpoint)
     assert run_dir.verified_checkpoint().name == "step_000006"
     assert sorted(p.name for p in run_dir.checkpoints.glob("step_*")) == ["step_000004", "step_000006"]
+
+
+def test_held_ctrl_c_is_raised_after_the_block_and_the_handler_is_restored():
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    finished = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with interrupts_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # the handler has run by now: without the hold it would have raised here
+                finished.append(True)
+        assert finished == [True] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with interrupts_deferred():  # nothing came: nothing is raised
+            finished.append(True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_while_a_step_is_recorded_leaves_its_metrics_audit_and_counter_in_agreement(tmp_path, monkeypatch):
+    """Seen in CI: a Ctrl-C between the step counter and metrics.jsonl gave a checkpoint at step 5 and a
+    summary of 4 steps. The step is now recorded whole and `finish` sees nothing left to record."""
+    config, run_dir, _ = prepare(None, tiny(tmp_path, "recording"))
+    run = Run(config, run_dir)
+    run._pending = "a finished step's reference"
+    monkeypatch.setattr(run, "_queue_status", lambda: {"queued_groups": 0, "running": 0, "admitted": 0,
+                                                       "over_budget": 0})
+    real_append = run_dir.append
+
+    def interrupted_append(name, record):
+        if name == "metrics.jsonl":
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        real_append(name, record)
+
+    monkeypatch.setattr(run_dir, "append", interrupted_append)
+    result = {"version": 1, "trained_tokens": 40, "reward_mean": 0.5, "staleness_mean": 0.0, "staleness_max": 0,
+              "trainer_wait_s": 0.1, "loss": 0.2, "group_ids": ["g"], "prompt_ids": [3], "producer_ids": [0],
+              "staleness": [0]}
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run._record(result, step_wall=1.0, started=time.perf_counter())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    metrics = [json.loads(line) for line in (run_dir.path / "metrics.jsonl").read_text().splitlines()]
+    audit = [json.loads(line) for line in (run_dir.path / "groups.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [a["step"] for a in audit] == [run.step] == [1]
+    assert run.trained_tokens == 40 and run._pending is None and result["version"] == 1  # the result is untouched

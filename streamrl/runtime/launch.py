@@ -35,6 +35,7 @@ from streamrl.runtime.actors import (
     update_group_prefix,
 )
 from streamrl.runtime.connect import RayConnectError, join_cluster, start_local
+from streamrl.runtime.interrupts import interrupts_deferred
 from streamrl.runtime.progress import ProgressView
 from streamrl.runtime.rundir import RunDir, RunDirError
 from streamrl.runtime.summary import summarize
@@ -389,9 +390,8 @@ class Run:
             if stop.is_set():
                 self.stopped_by = "stopped"
                 return
-            self._pending = self.trainer.step.remote()
+            self._pending = self.trainer.step.remote()  # cleared by `_record` once the step is recorded
             result = self._await(self._pending)
-            self._pending = None
             if result is None:
                 raise RuntimeError("the trainer's step was cancelled while the run was training")
             now = time.perf_counter()
@@ -406,18 +406,25 @@ class Run:
                 self.checkpoint(started)
         self.stopped_by = "steps"
 
+    def _queue_status(self) -> dict[str, Any]:
+        return ray.get(self.queue.status.remote())
+
     def _record(self, result: dict[str, Any], *, step_wall: float, started: float) -> None:
-        self.step = result["version"]
-        self.trained_tokens += result["trained_tokens"]
-        queue = ray.get(self.queue.status.remote())
+        """Record a finished step: its metrics, its groups' audit and the step counter, all or none
+        (a Ctrl-C that lands between them would leave a checkpoint labelled with a step whose metrics
+        are missing); `_pending` is cleared with them, so `finish` records an interrupted step once."""
+        queue = self._queue_status()
+        result = dict(result)
         audit = {k: result.pop(k) for k in ("group_ids", "prompt_ids", "producer_ids", "staleness")}
+        step = result.pop("version")
+        trained_tokens = self.trained_tokens + result["trained_tokens"]
         metrics = {
-            "step": self.step,
-            "version": result.pop("version"),
+            "step": step,
+            "version": step,
             "reward_mean": result.pop("reward_mean"),
             "staleness_mean": result.pop("staleness_mean"),
             "staleness_max": result.pop("staleness_max"),
-            "trained_tokens": self.trained_tokens,
+            "trained_tokens": trained_tokens,
             "tokens_per_s": result["trained_tokens"] / max(step_wall, 1e-9),
             "trainer_wait_s": result.pop("trainer_wait_s"),
             "elapsed_s": self._elapsed(started),
@@ -427,9 +434,11 @@ class Run:
             "admitted": queue["admitted"],
             "over_budget": queue["over_budget"],
         }
-        self.last_metrics = metrics
-        self.run_dir.append(METRICS_FILE, metrics)
-        self.run_dir.append(GROUPS_FILE, {"step": self.step, "staleness_max": metrics["staleness_max"], **audit})
+        with interrupts_deferred():
+            self.run_dir.append(METRICS_FILE, metrics)
+            self.run_dir.append(GROUPS_FILE, {"step": step, "staleness_max": metrics["staleness_max"], **audit})
+            self.step, self.trained_tokens, self.last_metrics = step, trained_tokens, metrics
+            self._pending = None
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=self.step)
 
@@ -474,11 +483,12 @@ class Run:
 
     def finish(self, view: ProgressView) -> dict[str, Any]:
         view.close()
-        pending, self._pending = self._pending, None
-        if pending is not None:  # interrupted mid-step: a step already training finishes and is recorded
+        if self._pending is not None:  # interrupted mid-step: a step already training finishes and is recorded
             self.trainer.cancel_step.remote()
-            result = ray.get(pending)
-            if result is not None:
+            result = ray.get(self._pending)
+            if result is None:
+                self._pending = None
+            else:
                 self._record(result, step_wall=time.perf_counter() - self._last_end, started=self._started)
         self.stop_producers()
         final_eval = self._evaluate(self._started)
