@@ -124,7 +124,7 @@ def test_a_write_interrupted_after_its_directory_is_in_place_is_finished_not_wri
     assert sorted(p.name for p in run_dir.checkpoints.glob("step_*")) == ["step_000004", "step_000006"]
 
 
-def test_held_ctrl_c_is_raised_after_the_block_and_the_handler_is_restored():
+def test_a_held_ctrl_c_is_raised_after_the_block_a_second_one_at_once():
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     finished = []
     try:
@@ -136,6 +136,14 @@ def test_held_ctrl_c_is_raised_after_the_block_and_the_handler_is_restored():
         assert finished == [True] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
         with interrupts_deferred():  # nothing came: nothing is raised
             finished.append(True)
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C twice: at once
+            with interrupts_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+                finished.append(True)
+        assert finished == [True, True] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, previous)
 

@@ -1,8 +1,10 @@
-"""Hold Ctrl-C while the driver writes records that must be whole.
+"""Hold Ctrl-C while the driver writes something that must be whole.
 
 A KeyboardInterrupt can land between any two bytecodes of the main thread. Where the driver updates
-several records that must agree (a step's metrics, its group audit and its step counter), it holds the
-interrupt until they all are written and raises it right after, so a stop sees them all or none.
+several records that must agree (a step's metrics, its group audit and its step counter) or waits for
+a checkpoint the actors are writing (cut short, the actors would go on writing into a directory the
+driver removes, while the stop writes the same checkpoint again), the first Ctrl-C is held until the
+block ends and raised right after it; a second one aborts at once, as Ctrl-C twice does everywhere else.
 """
 
 from __future__ import annotations
@@ -18,16 +20,22 @@ _STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 @contextlib.contextmanager
 def interrupts_deferred() -> Iterator[None]:
-    """Run the block to its end; a Ctrl-C that came meanwhile is raised as KeyboardInterrupt after it.
-    Keep the block short and free of waits on other processes: a second Ctrl-C cannot cut it either."""
+    """Run the block to its end; a Ctrl-C that came meanwhile is raised as KeyboardInterrupt after it,
+    a second one at once."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers run only in the main thread: nothing can interrupt this one
         return
     caught: list[int] = []
     replaced = {sig: signal.getsignal(sig) for sig in _STOPPING_SIGNALS
                 if signal.getsignal(sig) is signal.default_int_handler}
+
+    def hold(signum: int, _frame: object) -> None:
+        if caught:
+            raise KeyboardInterrupt
+        caught.append(signum)
+
     for sig in replaced:
-        signal.signal(sig, lambda signum, _frame: caught.append(signum))
+        signal.signal(sig, hold)
     try:
         yield
     finally:

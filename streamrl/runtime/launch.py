@@ -403,7 +403,8 @@ class Run:
                 view.print(f"step {self.step}: held-out accuracy {ev.get('eval_accuracy', float('nan')):.2f}, "
                            f"reward {ev.get('eval_reward', float('nan')):.3f}")
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
-                self.checkpoint(started)
+                with interrupts_deferred():  # a Ctrl-C now stops the run with this checkpoint, written once
+                    self.checkpoint(started)
         self.stopped_by = "steps"
 
     def _queue_status(self) -> dict[str, Any]:
