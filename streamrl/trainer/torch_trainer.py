@@ -151,10 +151,14 @@ class TorchTrainer:
         """p for the rows `mine` (the others stay 0): the weights at the start of the step, before any
         mini-batch moved them."""
         proximal = torch.zeros_like(batch.behavior_logprobs[:, 1:])
-        parts = [mine[local] for local in micro_batches(lengths[mine], self.config.micro_batch_tokens)]
+        parts = self._micro_batch_rows(lengths, mine)
         for rows, logprobs in zip(parts, self._forward_only(batch, lengths, parts)):
             proximal[torch.from_numpy(rows), :logprobs.shape[1]] = logprobs
         return proximal
+
+    def _micro_batch_rows(self, lengths: np.ndarray, rows: np.ndarray) -> list[np.ndarray]:
+        """`rows` cut into micro-batches within the token budget (the same cut on every rank)."""
+        return [rows[local] for local in micro_batches(lengths[rows], self.config.micro_batch_tokens)]
 
     def _forward_only(self, batch, lengths: np.ndarray, parts: list[np.ndarray]) -> list[torch.Tensor]:
         """θ log-probs of each micro-batch's rows (a pipeline's other stages than the last: none)."""
@@ -198,9 +202,7 @@ class TorchTrainer:
             return loss
 
         mine = self._shard(rows)
-        self._accumulate_gradients(batch, lengths, [mine[local] for local in
-                                                    micro_batches(lengths[mine], self.config.micro_batch_tokens)],
-                                   loss_of)
+        self._accumulate_gradients(batch, lengths, self._micro_batch_rows(lengths, mine), loss_of)
         grad_norm = self._clip_gradients()
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)

@@ -37,11 +37,16 @@ def load_state_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> 
         target = state[name]
         if tuple(target.shape) != array.shape:
             raise ValueError(f"weight {name}: shape {array.shape} does not match the model's {tuple(target.shape)}")
+    for name, tensor in zip(arrays, read_only_tensors(arrays, list(arrays))):
+        state[name].copy_(tensor)
+
+
+def read_only_tensors(arrays: Mapping[str, np.ndarray], names: list[str]) -> list[torch.Tensor]:
+    """Tensors over the arrays `names`, without a copy where they are contiguous: for reading only
+    (arrays from the object store are read-only, which torch warns of)."""
     with warnings.catch_warnings():
-        # Arrays from the object store are read-only; they are only read from here.
         warnings.filterwarnings("ignore", message=".*not writable.*")
-        for name, array in arrays.items():
-            state[name].copy_(torch.from_numpy(array))
+        return [torch.from_numpy(np.ascontiguousarray(arrays[name])) for name in names]
 
 
 def resolve(weights: Any) -> Mapping[str, np.ndarray]:

@@ -32,7 +32,6 @@ import os
 import secrets
 import socket
 import threading
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -44,7 +43,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from streamrl.engine.sglang.client import SglangClient
 from streamrl.runtime.net import is_loopback
-from streamrl.weights.arrays import resolve
+from streamrl.weights.arrays import read_only_tensors, resolve
 
 # Group names are unique across processes (torch refuses a name twice in one, and a replacement
 # producer must not reuse a dead one's names in the sender): this process's token, then a count.
@@ -210,10 +209,7 @@ class GroupSender:
             held = self._groups.get(name)
         if held is None:
             raise RuntimeError(f"update group {name} is not open")
-        arrays = resolve(weights)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*not writable.*")  # object-store arrays: only read
-            tensors = [torch.from_numpy(np.ascontiguousarray(arrays[n])) for n in names]
+        tensors = read_only_tensors(resolve(weights), names)
         if self.device is not None:
             tensors = [t.to(self.device, non_blocking=True) for t in tensors]
         works = [dist.broadcast(t, group_src=0, group=held[1], async_op=True) for t in tensors]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import io
 import pickle
-import warnings
 from collections.abc import Callable, Mapping
 from multiprocessing.reduction import ForkingPickler
 
@@ -30,6 +29,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's reductions (CUDA IPC handles) with ForkingPickler
 
 from streamrl.engine.sglang.client import SglangClient
+from streamrl.weights.arrays import read_only_tensors
 from streamrl.weights.broadcast import plan_buckets
 
 
@@ -54,9 +54,7 @@ def tensor_loader(arrays: Mapping[str, np.ndarray], bucket_bytes: int, *, tensor
     def load(client: SglangClient) -> None:
         devices = devices_of(client)
         for i, names in enumerate(buckets):
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*not writable.*")  # object-store arrays: only read
-                named = [(name, torch.from_numpy(np.ascontiguousarray(arrays[name]))) for name in names]
+            named = list(zip(names, read_only_tensors(arrays, names)))
             if devices is None:
                 payloads = [serialize_named_tensors(named)] * tensor_parallel
             else:
