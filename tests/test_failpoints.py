@@ -101,8 +101,8 @@ def test_a_write_killed_half_way_leaves_the_previous_checkpoint_in_force(tmp_pat
 
 
 def test_a_write_interrupted_after_its_directory_is_in_place_is_finished_not_written_twice(tmp_path, monkeypatch):
-    """Ctrl-C between the rename and `latest` (seen in CI): the final checkpoint at the same step
-    adopts the directory instead of failing on it."""
+    """Ctrl-C between the rename and `latest` (seen in CI; now only a second Ctrl-C can land there): the
+    final checkpoint at the same step adopts the directory instead of failing on it."""
     run_dir = write_checkpoints(tmp_path)
     real = run_dir.make_latest
     calls = []
@@ -178,3 +178,21 @@ def test_a_ctrl_c_while_a_step_is_recorded_leaves_its_metrics_audit_and_counter_
     audit = [json.loads(line) for line in (run_dir.path / "groups.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [a["step"] for a in audit] == [run.step] == [1]
     assert run.trained_tokens == 40 and run._pending is None and result["version"] == 1  # the result is untouched
+
+
+def test_a_resume_removes_checkpoints_of_later_steps_that_latest_never_pointed_to(tmp_path, monkeypatch):
+    """A launcher killed between a checkpoint's rename and `latest` leaves a complete step_6 that is not
+    in force; the resumed run trains steps 4-6 again and must write its own step_6, not adopt that one."""
+    _, run_dir, _ = prepare(None, tiny(tmp_path, "orphan", "run.steps=10"))
+    run_dir.write_checkpoint(3, lambda tmp: None, {"step": 3}, keep=3)
+    def killed(target, keep):
+        raise KeyboardInterrupt  # stands for the SIGKILL right after the rename
+
+    monkeypatch.setattr(run_dir, "make_latest", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_dir.write_checkpoint(6, lambda tmp: None, {"step": 6}, keep=3)
+    monkeypatch.undo()
+    assert run_dir.step_dir(6).is_dir() and run_dir.latest_checkpoint().name == "step_000003"
+    _, opened, checkpoint = prepare(None, ["logging.progress=none"], resume=str(run_dir.path))
+    assert checkpoint.name == "step_000003"
+    assert sorted(p.name for p in opened.checkpoints.glob("step_*")) == ["step_000003"]

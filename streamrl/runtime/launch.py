@@ -448,7 +448,9 @@ class Run:
         if self.last_checkpoint_step == self.step:
             return None
         written = self.run_dir.step_dir(self.step)
-        if written.is_dir():  # in place (renamed whole) when a Ctrl-C cut its writer short: finish that one
+        # In place (renamed whole) when a second Ctrl-C cut its writer short: this run's (a resume removes
+        # later steps' checkpoints), so finish that one.
+        if written.is_dir():
             self.last_checkpoint_step = self.step
             return self.run_dir.make_latest(written, self.config.run.keep_checkpoints)
 
@@ -538,6 +540,7 @@ def prepare(config_path: str | None = None, overrides: list[str] | None = None, 
                               f"continue it with --set run.steps=N (N > {step})")
         for name in (METRICS_FILE, GROUPS_FILE, EVAL_FILE):
             run_dir.truncate_after(name, step)
+        run_dir.discard_checkpoints_after(step)  # else the resumed run would meet them at the same steps
         return config, run_dir, checkpoint
     from streamrl.config import load_config
 

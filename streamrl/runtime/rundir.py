@@ -111,13 +111,22 @@ class RunDir:
 
     def make_latest(self, target: Path, keep: int) -> Path:
         """Point `latest` at a complete checkpoint directory and keep the newest `keep`. Also finishes a
-        checkpoint whose writer was interrupted after its directory was in place."""
+        checkpoint of this run whose writer was interrupted after its directory was in place."""
         latest_tmp = self.checkpoints / ".latest.tmp"
         latest_tmp.write_text(target.name + "\n")
         latest_tmp.replace(self.checkpoints / "latest")
         for old in sorted(self.checkpoints.glob("step_*"))[:-keep]:
             shutil.rmtree(old)
         return target
+
+    def discard_checkpoints_after(self, step: int) -> list[str]:
+        """Remove checkpoints of steps after `step` (the one a run resumes from): complete ones a run
+        that died before moving `latest` left, from steps the resumed run will train again. Their names."""
+        later = [d for d in sorted(self.checkpoints.glob("step_*"))
+                 if d.name.removeprefix("step_").isdigit() and int(d.name.removeprefix("step_")) > step]
+        for directory in later:
+            shutil.rmtree(directory)
+        return [d.name for d in later]
 
     def latest_checkpoint(self) -> Path:
         pointer = self.checkpoints / "latest"
