@@ -83,19 +83,24 @@ def admission(args: argparse.Namespace) -> int:
     import ray
 
     from streamrl.buffer.actor import get_queue_actor
+    from streamrl.buffer.queue import OPERATOR_HOLD
 
     _connect(args.address)
     try:
         queue = get_queue_actor(args.run)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
+    # The operator's hold only: a pause the launcher holds while it shuts down is not the operator's to lift.
     if args.action == "pause":
-        was_paused = ray.get(queue.pause.remote())
-        print(f"{args.run}: admission paused" + (" (it already was)" if was_paused else ""))
+        was_held = ray.get(queue.pause.remote(OPERATOR_HOLD))
+        print(f"{args.run}: admission paused" + (" (it already was, by the operator)" if was_held else ""))
     elif args.action == "resume":
-        ray.get(queue.resume.remote(False))
-        print(f"{args.run}: admission resumed")
+        was_held = ray.get(queue.resume.remote(OPERATOR_HOLD))
+        print(f"{args.run}: " + ("admission resumed by the operator" if was_held
+                                 else "the operator had not paused admission: nothing to resume"))
     status = ray.get(queue.status.remote())
+    if args.action == "resume" and status["holds"]:
+        print(f"{args.run}: admission stays paused while held by: {', '.join(status['holds'])}")
     if args.action == "status":
         if args.json:
             print(json.dumps(status))

@@ -45,6 +45,62 @@ def test_restore_rederives_admission_so_a_resumed_run_cannot_burst(tmp_path, rng
         restored.commit(synthetic_batch([tickets[5]], 2, rng=rng))
 
 
+@pytest.mark.parametrize("eta", [0, 2])
+def test_a_snapshot_between_get_and_set_version_loses_nothing(tmp_path, rng, eta):
+    """The groups the trainer took but has not trained are not in the checkpoint's weights: the restored
+    queue offers them again (consumed = v·B), instead of counting them consumed — which lost their
+    prompts, shrank the budget by B and, at η = 0, left nothing admissible and nothing to get."""
+    queue = ReplayQueue(QueueConfig(group_size=2, groups_per_step=2, max_staleness=eta, max_in_flight=10,
+                                    vocab_size=32))
+    queue.commit(synthetic_batch(queue.admit(0, 10).tickets, 2, rng=rng))
+    taken = queue.get(timeout=0)  # the trainer is training these
+    before = queue.status()
+    restored = load_queue(save_queue(queue, tmp_path / "ckpt"))
+    status = restored.status()
+    assert status["version"] == 0 and status["consumed"] == 0 and status["in_training"] == 0
+    assert status["queued_groups"] == before["queued_groups"] + 2 and status["admitted_live"] == before["admitted_live"]
+    again = restored.get(timeout=0)
+    assert again is not None and [g.group_id for g in again.groups] == [g.group_id for g in taken.groups]
+    assert assemble(again.groups).equals(assemble(taken.groups))
+    restored.set_version(1)
+    assert len(restored.admit(0, 10, weights_version=1).tickets) == 2  # the next step's groups (η = 2: 2 more)
+    queue.set_version(1)  # the live queue's step ends as usual: a snapshot now has them consumed
+    assert load_queue(save_queue(queue, tmp_path / "after")).status()["consumed"] == 2
+
+
+def test_restore_checks_the_counters_against_the_ticket_states(tmp_path, rng):
+    queue, _ = busy_queue(rng)
+    path = save_queue(queue, tmp_path / "ckpt")
+    text = (path / MANIFEST).read_text()
+    cases = [
+        (lambda m: m["counters"].update(consumed=4), "counters.consumed = 4, but the ticket states give 2"),
+        (lambda m: m["counters"].update(admitted=5), "counters.admitted = 5, but the ticket states give 6"),
+        (lambda m: m["counters"].update(over_budget=-1), "counters.over_budget = -1"),
+        (lambda m: m.update(prompt_cursor=m["prompt_cursor"] + 1), "the cursor handed out 7 prompts"),
+        (lambda m: m["returned_prompts"].append(m["groups"][0]["prompt_id"]), "must be distinct ids"),
+        (lambda m: m.update(holds=["Not A Hold"]), "admission hold name"),
+    ]
+    for change, message in cases:
+        manifest = json.loads(text)
+        change(manifest)
+        (path / MANIFEST).write_text(json.dumps(manifest))
+        with pytest.raises(CheckpointError, match=message):
+            load_queue(path)
+
+
+def test_a_format_1_checkpoint_loads_with_its_pause_as_the_operators_hold(tmp_path, rng):
+    queue, tickets = busy_queue(rng)  # paused by the operator
+    queue.abandon([tickets[5].ticket_id])
+    path = save_queue(queue, tmp_path / "ckpt")
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest.update(format_version=1, paused=manifest.pop("holds") == ["operator"])
+    for seq, group in enumerate(manifest["groups"]):
+        group["seq"] = seq
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    restored = load_queue(path)
+    assert restored.status() == queue.status() and restored.holds == ["operator"]
+
+
 def test_config_may_change_but_not_the_group_size(tmp_path, rng):
     queue, _ = busy_queue(rng)
     path = save_queue(queue, tmp_path / "ckpt")

@@ -33,10 +33,21 @@ def test_admission_pause_resume_status_against_a_named_queue(capsys):
         queue = create_queue_actor("cli-run", QueueConfig(group_size=1, groups_per_step=1))
         assert main(["admission", "pause", "--run", "cli-run"]) == 0
         assert "admission paused" in capsys.readouterr().out
+        assert main(["admission", "pause", "--run", "cli-run"]) == 0
+        assert "it already was, by the operator" in capsys.readouterr().out
         assert ray.get(queue.admit.remote(0, 1)).blocked_by == "paused"
         assert main(["admission", "status", "--run", "cli-run", "--json"]) == 0
-        assert json.loads(capsys.readouterr().out)["paused"] is True
+        status = json.loads(capsys.readouterr().out)
+        assert status["paused"] is True and status["holds"] == ["operator"]
+        # the launcher's shutdown hold is its own: the operator's resume leaves it in place, and says so
+        assert ray.get(queue.pause.remote("shutdown")) is False
         assert main(["admission", "resume", "--run", "cli-run"]) == 0
+        out = capsys.readouterr().out
+        assert "admission resumed by the operator" in out and "stays paused while held by: shutdown" in out
+        assert ray.get(queue.admit.remote(0, 1)).blocked_by == "paused"
+        assert ray.get(queue.resume.remote("shutdown")) is True
+        assert main(["admission", "resume", "--run", "cli-run"]) == 0
+        assert "the operator had not paused admission" in capsys.readouterr().out
         assert len(ray.get(queue.admit.remote(0, 1)).tickets) == 1
         assert main(["admission", "status", "--run", "no-such-run"]) == 2
         assert "no running streamrl run named 'no-such-run'" in capsys.readouterr().err

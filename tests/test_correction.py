@@ -84,7 +84,8 @@ def test_masked_is_token_gradient(reweight):
     assert 0 < kept.sum() < mask.sum()  # the case really masks something
     r = torch.exp(theta.detach() - p)
     w = ratio_b if reweight else torch.ones_like(r)
-    torch.testing.assert_close(grad, -w * r * adv * ppo_mask(r, adv) * kept / kept.sum(), rtol=1e-12, atol=1e-12)
+    # rejected tokens weigh zero but still count: divided by every response token, not the kept ones
+    torch.testing.assert_close(grad, -w * r * adv * ppo_mask(r, adv) * kept / mask.sum(), rtol=1e-12, atol=1e-12)
     assert math.isclose(float(metrics["masked_fraction"]), 1 - float(kept.sum() / mask.sum()), rel_tol=1e-9)
 
 
@@ -100,7 +101,7 @@ def test_masked_is_sequence_levels_drop_whole_sequences(level):
     kept = mask & kept_seq[:, None]
     assert 0 < int(kept_seq.sum()) < N
     r = torch.exp(theta.detach() - p)
-    torch.testing.assert_close(grad, -r * adv * ppo_mask(r, adv) * kept / kept.sum(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, -r * adv * ppo_mask(r, adv) * kept / mask.sum(), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k3"])
@@ -195,10 +196,35 @@ def test_factory_binds_the_config_and_checks_it():
         LOSSES["tis"](PolicyBatch(theta, b, adv, mask))
 
 
-def test_denominator_makes_micro_batches_add_up():
-    theta, b, p, adv, mask = make_batch()
-    whole, _ = LOSSES["decoupled_ppo"](PolicyBatch(theta, b, adv, mask, p))
-    total = float(mask.sum())
-    parts = sum(LOSSES["decoupled_ppo"](PolicyBatch(theta[i:i + 2], b[i:i + 2], adv[i:i + 2], mask[i:i + 2],
-                                                    p[i:i + 2]), denominator=total)[0] for i in (0, 2))
-    torch.testing.assert_close(parts, whole)
+MASKING = [(name, {}) for name in sorted(LOSSES)] + [
+    ("masked_is", {"level": level, "lo": 0.8, "hi": 1.25, "reweight": reweight})
+    for level in ("token", "sequence", "geometric") for reweight in (True, False)]
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"])
+@pytest.mark.parametrize("name,kwargs", MASKING)
+def test_denominator_makes_micro_batches_add_up(name, kwargs, aggregation):
+    """The loss called alone on the whole batch and the trainer's way (micro-batches, each divided by the
+    whole batch's token or row count) agree in value and gradient, for every loss and masking level,
+    with rejected and non-finite tokens in the batch."""
+    theta, b, p, adv, mask = make_batch(prox_shift=0.6, seed=3)
+    b = torch.where(torch.arange(T) == T - 1, -math.inf, b)  # a non-finite behaviour log-prob per row
+    t_whole = theta.detach().clone().requires_grad_()
+    whole, metrics = LOSSES[name](PolicyBatch(t_whole, b, adv, mask, p), aggregation=aggregation, **kwargs)
+    whole.backward()
+    if name == "masked_is":
+        assert 0 < float(metrics["masked_fraction"]) < 1  # the case really rejects something
+    denominator = float(mask.sum()) if aggregation == "token_mean" else float(N)
+    t_parts = theta.detach().clone().requires_grad_()
+    parts = sum(LOSSES[name](PolicyBatch(t_parts[rows], b[rows], adv[rows], mask[rows], p[rows]),
+                             aggregation=aggregation, denominator=denominator, **kwargs)[0]
+                for rows in (slice(0, 1), slice(1, 3), slice(3, N)))
+    parts.backward()
+    torch.testing.assert_close(parts, whole, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(t_parts.grad, t_whole.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_a_kl_penalty_without_a_reference_policy_is_refused():
+    with pytest.raises(ValueError, match="kl_coef=0.1: a KL penalty needs a reference policy"):
+        LossConfig(kl_coef=0.1)
+    assert LossConfig(kl_coef=0.0).kl_coef == 0.0

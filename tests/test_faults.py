@@ -58,6 +58,23 @@ def test_producers_killed_mid_generation_and_right_after_a_commit_are_replaced(r
     assert_nothing_lost_or_repeated(run_dir, 6)
 
 
+def test_a_producer_that_dies_while_the_others_keep_the_trainer_fed_is_replaced(ray_local, tmp_path, armed):
+    """The trainer never starves (three producers, a wide staleness budget, no evaluations): every step
+    returns within a fraction of a second, yet the dead producer is noticed at once — before, it was looked
+    at only while a trainer call took over 0.5 s, so it was never replaced, its running tickets held their
+    slots and its weights hold kept old versions alive until the end."""
+    directory = armed("producer.generate=kill@4")
+    summary, run_dir = run_tiny(tmp_path, "fed", "run.steps=30", "producers.count=3", "producers.num_cpus=0.3", "queue.max_staleness=8",
+                                "queue.max_in_flight=24", "run.eval_every=0", "run.checkpoint_every=0")
+    assert failpoints.fired(directory) == ["producer.generate"]
+    (replaced,) = run_dir.read("events.jsonl")
+    assert replaced["event"] == "producer_replaced" and summary["producer_restarts"] == 1
+    assert replaced["step"] < 30, "noticed only when the run stopped"
+    assert len(summary["producers"]) == 3
+    assert summary["queue"]["running"] == 0  # no ticket of the dead producer kept its slot
+    assert_nothing_lost_or_repeated(run_dir, 30)
+
+
 def test_an_sglang_producer_killed_after_a_commit_is_replaced_and_the_trainer_sends_to_its_new_servers(
         ray_local, tmp_path, armed):
     """Weights by broadcast from the trainer: the dead producer's update groups are closed in the

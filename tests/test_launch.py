@@ -72,7 +72,8 @@ def test_held_versions_differ_counts_moments_of_disagreement():
     assert held_versions_differ(lockstep) == (1, 1)  # the instant between the two loads at t=2.0
     drifting = [[(1.0, 0), (2.0, 1), (3.0, 2)], [(1.5, 0), (3.5, 2)]]
     assert held_versions_differ(drifting) == (2, 2)  # at t=3.0 one holds 2, the other still 0
-    assert held_versions_differ([[(1.0, 0)]]) == (0, 0)
+    assert held_versions_differ([[(1.0, 0)]]) == (None, None)  # one producer: nothing to compare
+    assert held_versions_differ([[(1.0, 0)], []]) == (None, None)  # a producer that reported no load
 
 
 @pytest.mark.parametrize("eta, admission", [(0, "continuous"), (1, "per_step")])
@@ -123,6 +124,8 @@ def test_sglang_producers_run_a_launch_through_stand_in_servers(ray_local, tmp_p
     assert [m["step"] for m in metrics] == [1, 2, 3, 4] and all(m["staleness_max"] <= 1 for m in metrics)
     (producer,) = summary["producers"]
     assert producer["weight_updates"] >= 3 and producer["groups"] >= 16
+    # one producer: the "held different versions" figures say there was nothing to compare, not 0
+    assert summary["weight_loads_with_producers_on_different_versions"] is None
     written = list((run_dir.path / "sglang").glob("weights-producer-0/v*"))
     loads = [line.split()[1] for line in log.read_text().splitlines() if "weights_from" in line]
     if weights == "disk":
@@ -212,6 +215,30 @@ def test_admission_pause_stops_admitted_and_resume_restarts_it(ray_local, tmp_pa
         stop.set()
         thread.join(timeout=120)
     assert outcome["summary"]["stopped_by"] == "stopped" and not outcome["summary"]["queue"]["paused"]
+
+
+def test_an_operator_pause_while_the_run_shuts_down_is_kept_in_the_checkpoint(ray_local, tmp_path, monkeypatch):
+    """The launcher's shutdown hold and the operator's are independent: an operator's pause that lands
+    while producers stop survives the launcher's release (a saved-flag resume overwrote it)."""
+    from streamrl import failpoints
+
+    monkeypatch.setenv(failpoints.ENV_SPEC, "launch.stop_producers=sleep:3")
+    monkeypatch.setenv(failpoints.ENV_DIR, str(tmp_path))
+    outcome = {}
+    thread = threading.Thread(target=lambda: outcome.update(run=run_tiny(tmp_path, "held", "run.steps=3")))
+    thread.start()
+    try:
+        deadline = time.time() + 120
+        while failpoints.fired(tmp_path) != ["launch.stop_producers"]:
+            assert time.time() < deadline and thread.is_alive(), "the run never reached its shutdown"
+            time.sleep(0.05)
+        assert main(["admission", "pause", "--run", "held"]) == 0
+    finally:
+        thread.join(timeout=120)
+    summary, run_dir = outcome["run"]
+    assert summary["queue"]["holds"] == ["operator"] and summary["queue"]["paused"]
+    manifest = json.loads((run_dir.latest_checkpoint() / "queue" / "manifest.json").read_text())
+    assert manifest["holds"] == ["operator"]
 
 
 def test_ctrl_c_stops_cleanly_with_a_checkpoint(ray_local, tmp_path):

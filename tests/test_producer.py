@@ -1,3 +1,5 @@
+import time
+
 import pytest
 
 from streamrl.buffer import QueueConfig, ReplayQueue, validate_batch
@@ -71,3 +73,25 @@ def test_a_producer_with_stale_weights_waits_for_newer_ones(tiny_model_dir, setu
     producer.receiver.fetch_now()
     assert producer.run_once() > 0
     assert producer.receiver.version == 2
+
+
+def test_a_group_that_outlived_its_ticket_is_dropped_and_the_producer_goes_on(tiny_model_dir, setup, monkeypatch):
+    """With `ticket_timeout_s` the queue takes a slow group's prompt back while it runs; its commit is
+    then refused as expired. The producer gives the batch's other tickets back and carries on (it used
+    to give back a ticket the queue already held, which raised and stopped the run)."""
+    _, registry = setup
+    queue = ReplayQueue(QueueConfig(group_size=4, groups_per_step=3, max_staleness=1, max_in_flight=8,
+                                    vocab_size=17, ticket_timeout_s=0.2))
+    producer = make_producer(tiny_model_dir, queue, registry)
+    generate = producer.generate
+
+    def slow_first_batch(tickets):
+        monkeypatch.setattr(producer, "generate", generate)
+        time.sleep(0.3)  # every ticket of this batch expires meanwhile
+        return generate(tickets)
+
+    monkeypatch.setattr(producer, "generate", slow_first_batch)
+    assert producer.run_once() == 0 and producer.stats["expired_groups"] == 3
+    assert queue.status()["running"] == 0 and queue.status()["returned_prompts"] == 3
+    assert producer.run_once() == 3  # the same prompts, generated again
+    assert sorted(g.prompt_id for g in queue.get(3, timeout=0).groups) == [0, 1, 2]

@@ -1,9 +1,11 @@
+import itertools
 import threading
 import time
 
 import pytest
 
-from streamrl.buffer import QueueClosed, QueueConfig, ReplayQueue
+from streamrl.buffer import LeaseRevoked, QueueClosed, QueueConfig, ReplayQueue
+from streamrl.buffer.queue import TicketExpired
 from streamrl.buffer.staleness import admission_budget
 from streamrl.buffer.synthetic import synthetic_batch
 
@@ -92,16 +94,45 @@ def test_in_flight_cap_capacity_and_stale_weights(rng):
     assert len(queue.admit(0, 1, weights_version=1).tickets) == 1
 
 
-def test_pause_returns_previous_state_and_resume_restores_it():
+def test_pause_and_resume_act_on_one_named_hold_and_are_idempotent():
     queue = ReplayQueue(QueueConfig(group_size=1, groups_per_step=1))
-    assert queue.pause() is False
+    assert queue.pause() is False and queue.pause() is True  # the operator's hold, taken twice
     assert queue.admit(0, 1).tickets == [] and queue.admit(0, 1).blocked_by == "paused"
-    was_paused = queue.pause()
-    assert was_paused is True
-    queue.resume(was_paused)  # an inner pause/resume pair must not unpause the outer one
-    assert queue.status()["paused"] is True
-    queue.resume()
+    assert queue.status()["holds"] == ["operator"]
+    assert queue.resume() is True and queue.resume() is False
     assert len(queue.admit(0, 1).tickets) == 1
+    for bad in ("", "Operator", "has space", "x" * 65, 3):
+        with pytest.raises(ValueError, match="admission hold name"):
+            queue.pause(bad)
+    assert queue.status()["holds"] == []
+
+
+def _interleavings(pausers):
+    """Every order of the events 'p takes its hold' and 'p releases it' (each take before its release)."""
+    events = [(p, kind) for p in range(pausers) for kind in ("pause", "resume")]
+    for order in itertools.permutations(events):
+        if all(order.index((p, "pause")) < order.index((p, "resume")) for p in range(pausers)):
+            yield order
+
+
+@pytest.mark.parametrize("pausers", [2, 3])
+def test_independent_holds_compose_in_every_interleaving(pausers):
+    """The launcher's shutdown, the operator and a colocated step pause independently: admission is
+    paused exactly while some hold is held, whatever the order (a saved-flag resume let the last
+    pauser's resume undo another's pause)."""
+    names = ["operator", "shutdown", "colocated-step"][:pausers]
+    orders = list(_interleavings(pausers))
+    assert len(orders) == {2: 6, 3: 90}[pausers]
+    for order in orders:
+        queue = ReplayQueue(QueueConfig(group_size=1, groups_per_step=1, max_in_flight=1000, max_staleness=1000))
+        held = set()
+        for pauser, kind in order:
+            assert getattr(queue, kind)(names[pauser]) is (names[pauser] in held)
+            (held.add if kind == "pause" else held.discard)(names[pauser])
+            status = queue.status()
+            assert status["paused"] is bool(held) and status["holds"] == sorted(held), order
+            admitted = queue.admit(0, 1)
+            assert (admitted.blocked_by == "paused") is bool(held) and len(admitted.tickets) == (not held), order
 
 
 def test_abandoned_prompts_are_generated_again_and_free_their_slot(rng):
@@ -113,8 +144,36 @@ def test_abandoned_prompts_are_generated_again_and_free_their_slot(rng):
     assert [t.prompt_id for t in again] == [first[0].prompt_id] and again[0].ticket_id != first[0].ticket_id
     assert queue.abandon_producer(0) == [first[1].ticket_id]
     assert queue.returned_prompts() == [first[1].prompt_id]
-    with pytest.raises(ValueError, match="ticket 0 is abandoned, not running"):
-        queue.abandon([0])
+    queue.abandon([first[0].ticket_id, first[1].ticket_id])  # already taken back: nothing more happens
+    assert queue.returned_prompts() == [first[1].prompt_id] and queue.status()["abandoned"] == 2
+
+
+def test_giving_back_a_ticket_that_is_not_running_is_refused_and_changes_nothing(rng):
+    queue = ReplayQueue(QueueConfig(group_size=1, groups_per_step=1, max_staleness=3, max_in_flight=8))
+    committed, running, consumed = queue.admit(0, 3).tickets
+    queue.commit(synthetic_batch([consumed], 1, rng=rng))
+    queue.get(timeout=0)
+    queue.commit(synthetic_batch([committed], 1, rng=rng))
+    before = queue.status()
+    for ids, message in (([running.ticket_id, running.ticket_id], "name a ticket twice"),
+                         ([running.ticket_id, committed.ticket_id], f"ticket {committed.ticket_id} is queued"),
+                         ([consumed.ticket_id], f"ticket {consumed.ticket_id} is consumed"),
+                         ([running.ticket_id, 99], "ticket 99 is unknown")):
+        with pytest.raises(ValueError, match=message):
+            queue.abandon(ids)
+        assert queue.status() == before
+
+
+def test_a_commit_of_an_expired_ticket_says_so_and_its_producer_can_give_the_rest_back(rng):
+    queue = ReplayQueue(QueueConfig(group_size=1, groups_per_step=1, max_in_flight=8, ticket_timeout_s=0.2))
+    (slow,) = queue.admit(0, 1).tickets
+    time.sleep(0.3)
+    (fresh,) = queue.admit(0, 1).tickets  # the slow ticket expired on the way
+    with pytest.raises(TicketExpired, match=f"ticket {slow.ticket_id} has expired"):
+        queue.commit(synthetic_batch([slow, fresh], 1, rng=rng))
+    assert fresh.prompt_id == slow.prompt_id  # the expired group's prompt was generated again first
+    queue.abandon([slow.ticket_id, fresh.ticket_id])
+    assert queue.returned_prompts() == [slow.prompt_id] and queue.status()["running"] == 0
 
 
 def test_ticket_timeout_expires_running_groups(rng):
@@ -123,6 +182,83 @@ def test_ticket_timeout_expires_running_groups(rng):
     time.sleep(0.1)
     assert queue.status()["running"] == 0 and queue.status()["abandoned"] == 2
     assert queue.ticket_state(tickets[0].ticket_id) == "abandoned"
+
+
+def test_an_expiring_ticket_wakes_a_blocked_admitter(rng):
+    """A ticket that times out frees its slot: an admitter blocked on the in-flight cap gets it then,
+    not when its own wait runs out."""
+    queue = ReplayQueue(QueueConfig(group_size=1, groups_per_step=1, max_in_flight=1, ticket_timeout_s=0.3))
+    (stuck,) = queue.admit(0, 1).tickets
+    started = time.monotonic()
+    adm = queue.admit(1, 1, timeout=20)
+    waited = time.monotonic() - started
+    assert [t.prompt_id for t in adm.tickets] == [stuck.prompt_id] and queue.ticket_state(stuck.ticket_id) == "abandoned"
+    assert waited < 10, f"the admitter waited {waited:.1f} s for a slot that opened after 0.3 s"
+
+
+def test_a_revoked_lease_refuses_admissions_even_one_already_waiting(rng):
+    """A dead producer's admission that Ray still runs after the driver gave its tickets back must not
+    issue tickets nobody holds (they would keep admission slots forever)."""
+    queue = ReplayQueue(QueueConfig(group_size=1, groups_per_step=1, max_staleness=5, max_in_flight=1))
+    lease = queue.register_producer(0)
+    (first,) = queue.admit(0, 1, lease=lease).tickets
+    outcome = {}
+
+    def dead_producers_admit():  # sent before the producer died, waiting for a slot
+        try:
+            outcome["admission"] = queue.admit(0, 1, lease=lease, timeout=20)
+        except LeaseRevoked as exc:
+            outcome["error"] = exc
+
+    waiter = threading.Thread(target=dead_producers_admit)
+    waiter.start()
+    time.sleep(0.1)
+    assert queue.abandon_producer(0) == [first.ticket_id]  # frees the slot the waiter wants
+    waiter.join(timeout=10)
+    assert "lease" in str(outcome.get("error")) and queue.status()["running"] == 0
+    with pytest.raises(LeaseRevoked, match="was declared dead"):
+        queue.admit(0, 1, lease=lease)
+    with pytest.raises(LeaseRevoked, match="was declared dead"):
+        queue.admit(0, 1)  # a registered producer must show its lease
+    replacement = queue.register_producer(0)
+    assert [t.prompt_id for t in queue.admit(0, 1, lease=replacement).tickets] == [first.prompt_id]
+    with pytest.raises(LeaseRevoked, match="no lease"):
+        queue.admit(5, 1, lease=99)
+    assert queue.admit(5, 1).blocked_by == "in_flight"  # a caller that never registered is not fenced
+
+
+def test_equal_versions_are_consumed_in_admission_order(rng):
+    """Commit order would favour fast, short groups; ties go to the group admitted first."""
+    queue = ReplayQueue(QueueConfig(group_size=2, groups_per_step=2, max_staleness=10, max_in_flight=100))
+    t = queue.admit(0, 4).tickets
+    queue.commit(synthetic_batch([t[1], t[2]], 2, rng=rng))
+    assert [g.group_id for g in queue.get(2, timeout=0).groups] == [t[1].ticket_id, t[2].ticket_id]
+    queue.set_version(1)
+    t += queue.admit(0, 2, weights_version=1).tickets
+    for ticket, version in ((t[5], 1), (t[4], 1), (t[3], 0)):
+        queue.commit(synthetic_batch([ticket], 2, version=version, rng=rng))
+    assert [g.group_id for g in queue.get(2, timeout=0).groups] == [t[3].ticket_id, t[4].ticket_id]
+
+
+def test_the_slow_group_of_a_tie_is_not_the_one_regenerated(rng):
+    """η = 2, B = 1: two groups of version 0 meet at version 2 and only one fits the budget. The one
+    admitted first is trained; under commit order the slow one (admitted first, committed last) was
+    thrown away every time."""
+    queue = ReplayQueue(QueueConfig(group_size=1, groups_per_step=1, max_staleness=2, max_in_flight=100))
+    slow, fast, first = queue.admit(0, 3).tickets
+    queue.commit(synthetic_batch([first], 1, rng=rng))
+    queue.get(timeout=0)
+    queue.set_version(1)
+    (later,) = queue.admit(1, 1, weights_version=1).tickets
+    queue.commit(synthetic_batch([later], 1, version=1, rng=rng))
+    queue.get(timeout=0)
+    queue.set_version(2)
+    queue.commit(synthetic_batch([fast], 1, rng=rng))
+    queue.commit(synthetic_batch([slow], 1, rng=rng))
+    got = queue.get(timeout=0)
+    assert [g.group_id for g in got.groups] == [slow.ticket_id] and got.staleness == [2]
+    queue.set_version(3)
+    assert queue.ticket_state(fast.ticket_id) == "regenerated" and queue.returned_prompts() == [fast.prompt_id]
 
 
 def test_get_takes_oldest_version_first(rng):

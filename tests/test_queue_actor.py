@@ -107,3 +107,27 @@ def test_checkpoint_through_the_actor_fetches_the_payloads(ray_local, tmp_path):
     assert ray.get(restored.status.remote())["queued_groups"] == 3
     assert fetch_table(ray.get(restored.get.remote(timeout=5))).num_rows == 4
     ray.kill(queue), ray.kill(restored)
+
+
+def test_the_queues_errors_reach_a_remote_caller_as_themselves(ray_local):
+    """A producer calls the queue over Ray: a refused batch must arrive as a BatchError naming the column
+    and row (it arrived as Ray's 'failed to deserialize exception'), an expired ticket as TicketExpired,
+    a revoked lease as LeaseRevoked — so callers can tell them apart."""
+    from streamrl.buffer import BatchError, LeaseRevoked
+    from streamrl.buffer.queue import TicketExpired
+    from streamrl.buffer.synthetic import synthetic_batch
+
+    queue = create_queue_actor("errors-test", QueueConfig(group_size=2, groups_per_step=1, max_staleness=1,
+                                                          ticket_timeout_s=0.3))
+    lease = ray.get(queue.register_producer.remote(0))
+    tickets = ray.get(queue.admit.remote(0, 2, None, 0.0, lease)).tickets
+    with pytest.raises(BatchError) as refused:
+        ray.get(queue.commit.remote(synthetic_batch(tickets[:1], 2, version=5)))
+    assert refused.value.column == "versions" and refused.value.row == 0 and "outside [0, trainer version 0]" in str(refused.value)
+    time.sleep(0.4)
+    with pytest.raises(TicketExpired, match="has expired"):
+        ray.get(queue.commit.remote(synthetic_batch(tickets[:1], 2)))
+    ray.get(queue.abandon_producer.remote(0))
+    with pytest.raises(LeaseRevoked, match="declared dead"):
+        ray.get(queue.admit.remote(0, 1, None, 0.0, lease))
+    ray.kill(queue)

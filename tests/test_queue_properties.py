@@ -1,8 +1,10 @@
 """Property-based schedules of several producers and one trainer against the real ReplayQueue.
 
-After every step: each prompt ever handed out is exactly one of running, queued, consumed or returned;
-the in-flight cap and the staleness formula hold; consumed groups are within η unless counted; nothing
-is admitted while paused; a checkpoint-restore round trip changes nothing but what a crash must change.
+After every step: each prompt ever handed out is exactly one of running, queued, consumed (trained or
+in training) or returned; the in-flight cap and the staleness formula hold; consumed groups are within η
+unless counted, and taken oldest version first, ties in admission order; admission is paused exactly
+while some independent hold is held; a checkpoint-restore round trip at any point, between `get` and
+`set_version` included, changes nothing but what a crash must change and loses or duplicates no prompt.
 """
 
 import shutil
@@ -20,6 +22,7 @@ from streamrl.buffer import BatchError, QueueConfig, ReplayQueue, assemble, load
 from streamrl.buffer.synthetic import synthetic_batch
 
 PRODUCERS = 3
+HOLDS = ["operator", "shutdown", "colocated-step"]
 
 
 class _Fixed:
@@ -49,11 +52,12 @@ class QueueSchedule(RuleBasedStateMachine):
         self.held = {p: {} for p in range(PRODUCERS)}  # producer -> ticket id -> ticket
         self.weights = dict.fromkeys(range(PRODUCERS), 0)
         self.expired = []  # tickets a restore invalidated: committing them must fail
-        self.consumed_prompts = []
+        self.consumed_prompts = []  # trained, or taken by the trainer at the current version
+        self.in_training = []  # (group, counted over budget) taken at the current version, not trained yet
         self.consumed_over_budget = 0
         self.tmp = Path(tempfile.mkdtemp(prefix="streamrl-prop-"))
         self.checkpoints = 0
-        self.pauses = []
+        self.holds = set()
 
     def teardown(self):
         if hasattr(self, "tmp"):
@@ -145,48 +149,79 @@ class QueueSchedule(RuleBasedStateMachine):
         self.train_step()
 
     # ---- trainer and operator ------------------------------------------------------------------
+    @precondition(lambda self: not self.in_training)
     @rule()
-    def train_step(self):
+    def take_step(self):
+        queued = [(g.min_version, g.group_id) for g in self.queue.queued_groups()]
         got = self.queue.get(timeout=0)
         if got is None:
             return
         assert got.version == self.queue.version and len(got.groups) == self.cfg.groups_per_step
+        # oldest version first, equal versions in admission (ticket) order, whatever the commit order
+        eligible = sorted(k for k in queued if self.cfg.over_budget == "train"
+                          or self.queue.version - k[0] <= self.cfg.max_staleness)
+        assert [(g.min_version, g.group_id) for g in got.groups] == eligible[:len(got.groups)]
         for group, age in zip(got.groups, got.staleness):
             self.consumed_prompts.append(group.prompt_id)
             self.consumed_over_budget += age > self.cfg.max_staleness
+            self.in_training.append((group, age > self.cfg.max_staleness))
         assert assemble(got.groups).num_rows == self.cfg.groups_per_step * self.cfg.group_size
+
+    @precondition(lambda self: self.in_training)
+    @rule()
+    def finish_step(self):
+        self.in_training.clear()
         self.queue.set_version(self.queue.version + 1)
 
     @rule()
-    def pause(self):
-        self.pauses.append(self.queue.pause())  # nested pause/resume pairs, as operators use them
+    def train_step(self):
+        if not self.in_training:
+            self.take_step()
+        if self.in_training:
+            self.finish_step()
 
-    @precondition(lambda self: self.pauses)
-    @rule()
-    def resume(self):
-        was_paused = self.pauses.pop()
-        self.queue.resume(was_paused)
-        assert self.queue.status()["paused"] == was_paused
+    @rule(name=st.sampled_from(HOLDS))
+    def pause(self, name):
+        assert self.queue.pause(name) is (name in self.holds)
+        self.holds.add(name)
+
+    @rule(name=st.sampled_from(HOLDS))
+    def resume(self, name):
+        assert self.queue.resume(name) is (name in self.holds)
+        self.holds.discard(name)
 
     @rule()
     def checkpoint_and_restore(self):
         before = self.queue.status()
         queued = self.queue.queued_groups()
         running = sum(len(h) for h in self.held.values())
+        taken = len(self.in_training)
+        taken_over = sum(over for _, over in self.in_training)
         path = save_queue(self.queue, self.tmp / f"ckpt-{self.checkpoints}")
         self.checkpoints += 1
         self.queue = load_queue(path)
         after = self.queue.status()
-        # A restore is a crash: running groups are gone, their prompts come back, their tickets expire.
+        # A restore is a crash: running groups are gone, their prompts come back, their tickets expire;
+        # groups the trainer took but had not trained are queued again (the weights saved lack them).
         expected = dict(before, running=0, abandoned=before["abandoned"] + running,
                         returned_prompts=before["returned_prompts"] + running,
                         admitted_live=before["admitted_live"] - running,
+                        consumed=before["consumed"] - taken, in_training=0,
+                        queued_groups=before["queued_groups"] + taken,
+                        queued_tokens=before["queued_tokens"] + sum(g.num_tokens for g, _ in self.in_training),
+                        over_budget=before["over_budget"] - taken_over,
+                        queued_staleness=after["queued_staleness"],
                         admission_budget=after["admission_budget"], blocked_by=after["blocked_by"])
         assert after == expected
         restored = self.queue.queued_groups()
-        assert [g.group_id for g in restored] == [g.group_id for g in queued]
-        if queued:
-            assert assemble(restored).equals(assemble(queued))
+        requeued = sorted([*queued, *(g for g, _ in self.in_training)], key=lambda g: (g.min_version, g.group_id))
+        assert [g.group_id for g in restored] == [g.group_id for g in requeued]
+        if requeued:
+            assert assemble(restored).equals(assemble(requeued))
+        for group, over in self.in_training:
+            self.consumed_prompts.remove(group.prompt_id)
+            self.consumed_over_budget -= over
+        self.in_training.clear()
         for held in self.held.values():
             self.expired.extend(held.values())
             held.clear()
@@ -201,6 +236,13 @@ class QueueSchedule(RuleBasedStateMachine):
         queued = [g.prompt_id for g in self.queue.queued_groups()]
         places = running + queued + self.consumed_prompts + self.queue.returned_prompts()
         assert sorted(places) == list(range(self.queue.status()["prompt_cursor"]))
+
+    @invariant()
+    def paused_exactly_while_some_hold_is_held(self):
+        if not hasattr(self, "queue"):
+            return
+        s = self.queue.status()
+        assert s["paused"] is bool(self.holds) and s["holds"] == sorted(self.holds)
 
     @invariant()
     def admission_limits_hold(self):

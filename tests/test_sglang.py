@@ -260,6 +260,9 @@ def test_an_sglang_producer_feeds_the_queue_within_budget_with_exact_versions_an
     assert not errors and not worker.is_alive()
     assert newest >= 4  # tokens of trained groups came from weights published during the run
     assert producer.stats["weight_updates"] >= 3 and all(e.stats["updates"] >= 3 for e in producer.pool.engines)
+    # the versions held, for summary.json's "producers held different versions" (it reported none before)
+    held = [version for _, version in producer.history]
+    assert len(held) == producer.stats["weight_updates"] and held == sorted(set(held)) and held[0] == 0
     assert sorted(p.name for p in (tmp_path / "w").iterdir())[-1] >= "v00000003"  # written, old ones pruned
     assert len(list((tmp_path / "w").iterdir())) <= 2
     status = queue.status()

@@ -131,6 +131,19 @@ def test_minibatches_step_each_share_of_groups_against_the_proximal_policy_of_th
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("loss, needs_proximal", [("reinforce", False), ("ppo_bypass", False),
+                                                   ("decoupled_ppo", True)])
+def test_the_proximal_forward_pass_runs_only_for_losses_that_read_it(tiny_model_dir, loss, needs_proximal):
+    """`LossConfig.needs_proximal` decides: with several mini-batches, a loss that never reads p (it
+    anchors on the behaviour policy) does not pay for the extra no-grad pass over the whole batch."""
+    t = minibatch_trainer(tiny_model_dir, minibatches=2, loss=loss)
+    passes = []
+    proximal = t._proximal_logprobs
+    t._proximal_logprobs = lambda *args: passes.append(1) or proximal(*args)
+    assert t.train(batch(groups=4, seed=5))["optimizer_steps"] == 2
+    assert len(passes) == int(needs_proximal)
+
+
 def test_minibatch_rows_are_whole_groups_each_trained_once():
     t = TorchTrainer.__new__(TorchTrainer)
     t.group_size, t.config, t._rng = 4, TrainerSection(minibatches=3), np.random.default_rng(0)

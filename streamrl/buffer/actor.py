@@ -22,7 +22,7 @@ import ray
 
 from streamrl.buffer.checkpoint import load_queue, save_queue
 from streamrl.buffer.config import QueueConfig
-from streamrl.buffer.queue import Admission, ReplayQueue, Ticket, TrainGroups, assemble
+from streamrl.buffer.queue import OPERATOR_HOLD, Admission, ReplayQueue, Ticket, TrainGroups, assemble
 
 NAMESPACE = "streamrl"
 
@@ -36,9 +36,13 @@ class QueueActor:
         cfg = QueueConfig(**config)
         self.queue = load_queue(restore_from, cfg, wrap=ray.put) if restore_from else ReplayQueue(cfg)
 
+    def register_producer(self, producer_id: int) -> int:
+        return self.queue.register_producer(producer_id)
+
     def admit(self, producer_id: int, max_groups: int, weights_version: int | None = None,
-              timeout: float = 0.0) -> Admission:
-        return self.queue.admit(producer_id, max_groups, weights_version=weights_version, timeout=timeout)
+              timeout: float = 0.0, lease: int | None = None) -> Admission:
+        return self.queue.admit(producer_id, max_groups, weights_version=weights_version, timeout=timeout,
+                                lease=lease)
 
     def commit(self, batch: pa.RecordBatch | pa.Table) -> list[int]:
         return self.queue.commit(batch, to_payload=ray.put)
@@ -55,11 +59,11 @@ class QueueActor:
     def set_version(self, version: int) -> None:
         self.queue.set_version(version)
 
-    def pause(self) -> bool:
-        return self.queue.pause()
+    def pause(self, hold: str = OPERATOR_HOLD) -> bool:
+        return self.queue.pause(hold)
 
-    def resume(self, was_paused: bool = False) -> None:
-        self.queue.resume(was_paused)
+    def resume(self, hold: str = OPERATOR_HOLD) -> bool:
+        return self.queue.resume(hold)
 
     def close(self) -> None:
         self.queue.close()

@@ -1,7 +1,8 @@
 """Queue checkpoints: queued groups as one Arrow IPC file, the rest in a JSON manifest.
 
 ```
- DIR/manifest.json        version, counters, prompt cursor, prompts to regenerate, groups, sha256 of each file
+ DIR/manifest.json        version, admission holds, counters, prompt cursor, prompts to regenerate, groups,
+                          sha256 of each file
  DIR/queued.arrow         the queued groups' rows, in consumption order
  DIR/ticket_states.bin    one byte per ticket ever issued (so old tickets stay "expired" after restore)
 ```
@@ -23,12 +24,13 @@ from typing import Any
 import pyarrow as pa
 
 from streamrl.buffer.config import QueueConfig
-from streamrl.buffer.queue import QueuedGroup, ReplayQueue, assemble
+from streamrl.buffer.queue import OPERATOR_HOLD, QueuedGroup, ReplayQueue, assemble
 from streamrl.buffer.schema import TRAJECTORY_SCHEMA
 from streamrl.buffer.validate import BatchError, validate_batch
 
 FORMAT = "streamrl.queue"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: named admission holds instead of a paused flag; groups ordered by ticket, not commit
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 QUEUED_FILE = "queued.arrow"
 STATES_FILE = "ticket_states.bin"
@@ -114,8 +116,9 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} manifest")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}")
+    if manifest.get("format_version") not in READABLE_VERSIONS:
+        raise CheckpointError(f"{path}: format version {manifest.get('format_version')!r}, expected one of "
+                              f"{READABLE_VERSIONS}")
     for name, expected in manifest.get("files", {}).items():
         file = directory / name
         if not file.is_file():
@@ -124,6 +127,15 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             raise CheckpointError(f"{file}: checksum mismatch (truncated or altered)")
     if set(manifest.get("files", {})) != {QUEUED_FILE, STATES_FILE}:
         raise CheckpointError(f"{path}: expected checksums for {QUEUED_FILE} and {STATES_FILE}")
+    return _upgraded(manifest)
+
+
+def _upgraded(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A format-1 manifest in format 2's terms: its paused flag was the operator's (the launcher releases
+    its own pause before writing), and its groups' commit sequence numbers are no longer used."""
+    if manifest["format_version"] == 1:
+        manifest = dict(manifest, format_version=2, holds=[OPERATOR_HOLD] if manifest.pop("paused", False) else [],
+                        groups=[{k: v for k, v in g.items() if k != "seq"} for g in manifest.get("groups", [])])
     return manifest
 
 
@@ -142,7 +154,7 @@ def load_queue(directory: str | Path, config: QueueConfig | None = None,
         with pa.OSFile(str(directory / QUEUED_FILE), "rb") as source:
             table = pa.ipc.open_file(source).read_all()
         groups = _restore_groups(manifest, table, config, wrap)
-        snap = {key: manifest[key] for key in ("version", "paused", "counters", "prompt_cursor", "returned_prompts")}
+        snap = {key: manifest[key] for key in ("version", "holds", "counters", "prompt_cursor", "returned_prompts")}
         snap["ticket_states"] = (directory / STATES_FILE).read_bytes()
         snap["groups"] = groups
         return ReplayQueue.from_snapshot(config, snap)

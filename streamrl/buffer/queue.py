@@ -9,6 +9,15 @@
                                                        ▼
                                                     CONSUMED ──► trainer; set_version(v + 1)
 ```
+Equal versions are consumed in admission (ticket) order, not commit order: commit order would hand
+the trainer fast, short groups first and leave slow ones to go over budget and be regenerated (a
+bias toward short rollouts), and the staleness argument in `staleness.py` assumes admission order.
+
+Admission is stopped by named **holds** (`pause(hold)` / `resume(hold)`): the operator, the launcher's
+shutdown, a colocated step each hold their own, and admission runs only while none is held, so
+independent pausers never undo each other. A producer registers for a **lease** (`register_producer`);
+abandoning a producer revokes it, so an `admit` the dead producer sent before it died, which Ray still
+runs, is refused instead of issuing tickets nobody holds.
 
 Every prompt id the cursor has handed out is, at every moment, exactly one of: running (in a
 ticket), queued, consumed, or returned (waiting to be admitted again). `admitted_live`, the count
@@ -21,6 +30,7 @@ references as payloads.
 from __future__ import annotations
 
 import heapq
+import re
 import threading
 import time
 from collections import OrderedDict, deque
@@ -39,8 +49,21 @@ UNKNOWN, RUNNING, QUEUED, CONSUMED, ABANDONED, REGENERATED = range(6)
 _STATE_NAMES = ("unknown", "running", "queued", "consumed", "abandoned", "regenerated")
 
 
+OPERATOR_HOLD = "operator"  # the hold `streamrl admission pause|resume` takes and releases
+_HOLD_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+
+
 class QueueClosed(RuntimeError):
     """The queue was closed: no more admissions or consumption."""
+
+
+class TicketExpired(BatchError):
+    """A commit of a group whose ticket expired (`ticket_timeout_s`) or was given back when its producer
+    was declared dead: the queue has already sent its prompt back to be generated again."""
+
+
+class LeaseRevoked(RuntimeError):
+    """An admission for a producer whose lease was revoked (it was declared dead) or never granted."""
 
 
 class Ticket(NamedTuple):
@@ -69,11 +92,11 @@ class QueuedGroup(NamedTuple):
     row_start: int
     row_count: int
     payload: Any  # the RecordBatch in process; an object reference in the Ray actor
-    seq: int  # commit order, to break ties between equal versions
     committed_at: float
 
     def sort_key(self) -> tuple[int, int]:
-        return (self.min_version, self.seq)
+        """Oldest version first, ties in admission order (ticket ids are issued in admission order)."""
+        return (self.min_version, self.group_id)
 
 
 @dataclass(frozen=True)
@@ -92,27 +115,40 @@ class ReplayQueue:
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._version = 0
-        self._paused = False
+        self._holds: set[str] = set()  # admission runs only while empty
         self._closed = False
         self._states = bytearray()  # ticket id -> state
         self._running: OrderedDict[int, Ticket] = OrderedDict()  # admission order
         self._queued: dict[int, QueuedGroup] = {}
-        self._heap: list[tuple[int, int, int]] = []  # (min_version, seq, group_id), lazily pruned
+        self._heap: list[tuple[int, int]] = []  # QueuedGroup.sort_key of each queued group
+        # Handed to the trainer at the current version, not trained yet (set_version clears): a snapshot
+        # taken now queues them again, since the weights they would have trained are not in it.
+        self._in_training: list[QueuedGroup] = []
         self._queued_tokens = 0
         self._next_prompt = 0
         self._returned: deque[int] = deque()
-        self._seq = 0
+        self._leases: dict[int, int | None] = {}  # producer id -> its lease (None: revoked)
+        self._next_lease = 0
         self.counters = {"admitted": 0, "committed": 0, "consumed": 0, "abandoned": 0,
                          "over_budget": 0, "rejected_batches": 0}
         self._blocked_by: str | None = None
 
     # ---- admission -------------------------------------------------------------------------------
+    def register_producer(self, producer_id: int) -> int:
+        """A producer starts: its lease, which every `admit` of it must carry from then on. A new lease
+        replaces the old one (a replacement producer takes over the id of a dead one)."""
+        with self._lock:
+            self._next_lease += 1
+            self._leases[producer_id] = self._next_lease
+            return self._next_lease
+
     def admit(self, producer_id: int, max_groups: int, *, weights_version: int | None = None,
-              timeout: float = 0.0) -> Admission:
+              timeout: float = 0.0, lease: int | None = None) -> Admission:
         """Admit up to `max_groups` groups; wait up to `timeout` seconds for at least one slot.
 
         `weights_version` is the policy version the producer holds; a producer more than η versions
         behind is refused until it loads newer weights (the bound is enforced where work starts).
+        A producer that registered must pass its `lease`; one whose lease was revoked gets `LeaseRevoked`.
         """
         if max_groups < 1:
             raise ValueError(f"max_groups must be >= 1, got {max_groups}")
@@ -122,6 +158,7 @@ class ReplayQueue:
                 self._expire_tickets()
                 if self._closed:
                     raise QueueClosed("queue closed")
+                self._check_lease(producer_id, lease)  # again after every wait: it may have been revoked
                 allowed, reason = self._slots_available(weights_version)
                 if allowed:
                     tickets = self._issue(producer_id, min(allowed, max_groups))
@@ -137,11 +174,29 @@ class ReplayQueue:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return Admission([], reason)
-                self._cond.wait(remaining)
+                self._cond.wait(min(remaining, self._until_next_expiry()))
+
+    def _check_lease(self, producer_id: int, lease: int | None) -> None:
+        if producer_id not in self._leases:
+            if lease is None:
+                return  # a caller that never registered (in-process use): nothing to fence
+            raise LeaseRevoked(f"producer {producer_id} has no lease (register_producer first)")
+        current = self._leases[producer_id]
+        if lease is None or lease != current:
+            raise LeaseRevoked(f"producer {producer_id}'s lease {lease} is not its current one ({current}): "
+                               "it was declared dead and its tickets given back")
+
+    def _until_next_expiry(self) -> float:
+        """Seconds until the oldest running ticket expires (a slot opens then: a blocked admitter wakes)."""
+        timeout = self.config.ticket_timeout_s
+        if timeout is None or not self._running:
+            return float("inf")
+        oldest = next(iter(self._running.values()))
+        return max(0.0, oldest.admitted_at + timeout - time.time()) + 1e-3
 
     def _slots_available(self, weights_version: int | None) -> tuple[int, str | None]:
         cfg = self.config
-        if self._paused:
+        if self._holds:
             return 0, "paused"
         if weights_version is not None and not weights_fresh_enough(
                 trainer_version=self._version, max_staleness=cfg.max_staleness,
@@ -212,6 +267,7 @@ class ReplayQueue:
                                           trainer_version=self.version, vocab_size=cfg.vocab_size)
             payload = to_payload(batch) if to_payload else batch
             with self._lock:
+                self._expire_tickets()  # a ticket past its timeout has expired, swept or not
                 self._check_tickets(spans)
                 now = time.time()
                 for span in spans:
@@ -228,9 +284,11 @@ class ReplayQueue:
     def _check_tickets(self, spans: list[GroupSpan]) -> None:
         for span in spans:
             state = self._states[span.group_id] if 0 <= span.group_id < len(self._states) else UNKNOWN
+            if state == ABANDONED:
+                raise TicketExpired("group_id", span.row_start, f"ticket {span.group_id} has expired (abandoned)")
             if state != RUNNING:
-                problem = {UNKNOWN: "is unknown", ABANDONED: "has expired (abandoned)",
-                           REGENERATED: "has expired (regenerated)"}.get(state, "was already committed")
+                problem = {UNKNOWN: "is unknown", REGENERATED: "has expired (regenerated)"}.get(
+                    state, "was already committed")
                 raise BatchError("group_id", span.row_start, f"ticket {span.group_id} {problem}")
             ticket = self._running[span.group_id]
             if ticket.prompt_id != span.prompt_id:
@@ -246,26 +304,35 @@ class ReplayQueue:
         del self._running[span.group_id]
         self._states[span.group_id] = QUEUED
         self._add_queued(QueuedGroup(span.group_id, span.prompt_id, span.producer_id, span.min_version,
-                                     span.num_tokens, span.row_start, span.row_count, payload, self._seq, now))
+                                     span.num_tokens, span.row_start, span.row_count, payload, now))
 
     def _add_queued(self, group: QueuedGroup) -> None:
-        self._seq = max(self._seq, group.seq) + 1
         self._queued[group.group_id] = group
         self._queued_tokens += group.num_tokens
-        heapq.heappush(self._heap, (group.min_version, group.seq, group.group_id))
+        heapq.heappush(self._heap, group.sort_key())
 
     def abandon(self, ticket_ids: list[int]) -> None:
-        """Give running tickets back: their prompts will be generated again."""
+        """Give running tickets back: their prompts will be generated again. A ticket the queue already
+        took back (expired, or its producer declared dead) is skipped: its owner cannot know that. Any
+        other ticket that is not running is refused, and then nothing changes."""
         with self._lock:
+            if len(set(ticket_ids)) != len(ticket_ids):
+                raise ValueError(f"tickets {sorted(ticket_ids)} name a ticket twice")
+            running = []
             for ticket_id in ticket_ids:
-                if ticket_id not in self._running:
-                    state = self._states[ticket_id] if 0 <= ticket_id < len(self._states) else UNKNOWN
+                state = self._states[ticket_id] if 0 <= ticket_id < len(self._states) else UNKNOWN
+                if state == RUNNING:
+                    running.append(ticket_id)
+                elif state != ABANDONED:
                     raise ValueError(f"ticket {ticket_id} is {_STATE_NAMES[state]}, not running")
-            self._abandon_locked(ticket_ids)
+            self._abandon_locked(running)
 
     def abandon_producer(self, producer_id: int) -> list[int]:
-        """Abandon every running ticket of a producer (it died or stopped); returns their ids."""
+        """Abandon every running ticket of a producer (it died or stopped) and revoke its lease, so that
+        an admission it sent before dying cannot issue tickets after this; returns the ticket ids."""
         with self._lock:
+            if producer_id in self._leases:
+                self._leases[producer_id] = None
             ids = [t.ticket_id for t in self._running.values() if t.producer_id == producer_id]
             self._abandon_locked(ids)
             return ids
@@ -297,6 +364,7 @@ class ReplayQueue:
                 self._handle_over_budget()
                 if len(self._queued) >= wanted:
                     groups = [self._pop_oldest() for _ in range(wanted)]
+                    self._in_training.extend(groups)
                     ages = [staleness(self._version, g.min_version) for g in groups]
                     self.counters["consumed"] += wanted
                     # Only reachable with over_budget="train": the others were regenerated above.
@@ -309,23 +377,19 @@ class ReplayQueue:
                 self._cond.wait(remaining)
 
     def _pop_oldest(self) -> QueuedGroup:
-        while True:
-            _, _, group_id = heapq.heappop(self._heap)
-            group = self._queued.pop(group_id, None)
-            if group is not None:  # defensive: every removal pops the heap, so none should linger
-                self._queued_tokens -= group.num_tokens
-                self._states[group_id] = CONSUMED
-                return group
+        _, group_id = heapq.heappop(self._heap)  # every removal from _queued pops the heap: no stale entries
+        group = self._queued.pop(group_id)
+        self._queued_tokens -= group.num_tokens
+        self._states[group_id] = CONSUMED
+        return group
 
     def _handle_over_budget(self) -> None:
         if self.config.over_budget == "train":
             return  # counted when handed out, in get()
         limit = self._version - self.config.max_staleness
         while self._heap and self._heap[0][0] < limit:
-            _, _, group_id = heapq.heappop(self._heap)
-            group = self._queued.pop(group_id, None)
-            if group is None:
-                continue
+            _, group_id = heapq.heappop(self._heap)
+            group = self._queued.pop(group_id)
             self._queued_tokens -= group.num_tokens
             self._states[group_id] = REGENERATED
             self._returned.append(group.prompt_id)
@@ -337,6 +401,8 @@ class ReplayQueue:
         with self._lock:
             if version < self._version:
                 raise ValueError(f"version {version} is older than the current version {self._version}")
+            if version > self._version:
+                self._in_training.clear()  # trained: the new weights contain them
             self._version = version
             self._handle_over_budget()
             self._cond.notify_all()
@@ -345,18 +411,30 @@ class ReplayQueue:
     def version(self) -> int:
         return self._version
 
-    # ---- operator controls -------------------------------------------------------------------------
-    def pause(self) -> bool:
-        """Stop new admissions; returns whether the queue was already paused."""
+    # ---- admission holds ---------------------------------------------------------------------------
+    def pause(self, hold: str = OPERATOR_HOLD) -> bool:
+        """Take the named hold: no new admissions while any hold is held. Returns whether `hold` was
+        already held (taking it again changes nothing). Running groups finish and are queued."""
+        _check_hold_name(hold)
         with self._lock:
-            was_paused, self._paused = self._paused, True
-            return was_paused
+            was_held = hold in self._holds
+            self._holds.add(hold)
+            return was_held
 
-    def resume(self, was_paused: bool = False) -> None:
-        """Restore the state before a `pause()` (`was_paused=True` keeps it paused)."""
+    def resume(self, hold: str = OPERATOR_HOLD) -> bool:
+        """Release the named hold; returns whether it was held. Other holds are untouched: admission
+        runs again only once none is held."""
+        _check_hold_name(hold)
         with self._lock:
-            self._paused = was_paused
+            was_held = hold in self._holds
+            self._holds.discard(hold)
             self._cond.notify_all()
+            return was_held
+
+    @property
+    def holds(self) -> list[str]:
+        with self._lock:
+            return sorted(self._holds)
 
     def close(self) -> None:
         """Wake every waiter; later admit/get raise QueueClosed. Commits are still accepted."""
@@ -373,12 +451,14 @@ class ReplayQueue:
                 by_staleness[s] = by_staleness.get(s, 0) + 1
             return {
                 "version": self._version,
-                "paused": self._paused,
+                "paused": bool(self._holds),
+                "holds": sorted(self._holds),
                 "closed": self._closed,
                 **self.counters,
                 "running": len(self._running),
                 "queued_groups": len(self._queued),
                 "queued_tokens": self._queued_tokens,
+                "in_training": len(self._in_training),
                 "admitted_live": self.admitted_live,
                 "admission_budget": admission_budget(
                     trainer_version=self._version, max_staleness=self.config.max_staleness,
@@ -392,35 +472,46 @@ class ReplayQueue:
     # ---- checkpoints -------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """A consistent copy of the state for a checkpoint. Prompts of running groups are listed with
-        the returned ones: after a restore they are generated again and their tickets have expired."""
+        the returned ones: after a restore they are generated again and their tickets have expired.
+        Groups handed to the trainer at this version but not trained yet (a snapshot between `get` and
+        `set_version`) are queued in the copy, as before that `get`: the checkpoint's weights lack them."""
         with self._lock:
             self._expire_tickets()
+            states, counters = bytearray(self._states), dict(self.counters)
+            for group in self._in_training:
+                states[group.group_id] = QUEUED
+            counters["consumed"] -= len(self._in_training)
+            # over_budget="train" counted them when handed out; they will be counted again then
+            counters["over_budget"] -= sum(staleness(self._version, g.min_version) > self.config.max_staleness
+                                           for g in self._in_training)
             return {
                 "version": self._version,
-                "paused": self._paused,
-                "counters": dict(self.counters),
+                "holds": sorted(self._holds),
+                "counters": counters,
                 "prompt_cursor": self._next_prompt,
                 "returned_prompts": list(self._returned) + [t.prompt_id for t in self._running.values()],
-                "ticket_states": bytes(self._states),
-                "groups": sorted(self._queued.values(), key=QueuedGroup.sort_key),
+                "ticket_states": bytes(states),
+                "groups": sorted([*self._queued.values(), *self._in_training], key=QueuedGroup.sort_key),
             }
 
     @classmethod
     def from_snapshot(cls, config: QueueConfig, snap: dict[str, Any]) -> ReplayQueue:
-        """Rebuild a queue. The admission counters are re-derived from what is restored (running
-        groups are gone), so a resumed run cannot burst past the staleness bound."""
+        """Rebuild a queue. Running groups are gone (their tickets expire, their prompts are generated
+        again), and the counters are re-derived from the ticket states and checked against the saved
+        ones, so a resumed run cannot burst past the staleness bound; a snapshot whose parts disagree
+        raises ValueError naming what disagrees."""
         queue = cls(config)
+        for hold in snap["holds"]:
+            _check_hold_name(hold)
         queue._version = snap["version"]
-        queue._paused = snap["paused"]
-        queue.counters.update(snap["counters"])
+        queue._holds = set(snap["holds"])
         queue._next_prompt = snap["prompt_cursor"]
         queue._returned.extend(snap["returned_prompts"])
-        states = bytearray(snap["ticket_states"])
-        expired = states.count(RUNNING)
-        queue._states = states.replace(bytes([RUNNING]), bytes([ABANDONED]))
-        queue.counters["abandoned"] += expired
+        queue._states = bytearray(snap["ticket_states"]).replace(bytes([RUNNING]), bytes([ABANDONED]))
+        queue.counters = _restored_counters(snap["counters"], bytes(snap["ticket_states"]))
         for group in snap["groups"]:
             queue._add_queued(group)
+        _check_restored(queue, snap["groups"])
         return queue
 
     # ---- introspection (tests, checkpoints) --------------------------------------------------------
@@ -440,6 +531,48 @@ class ReplayQueue:
     def ticket_state(self, ticket_id: int) -> str:
         with self._lock:
             return _STATE_NAMES[self._states[ticket_id]] if 0 <= ticket_id < len(self._states) else "unknown"
+
+
+def _check_hold_name(hold: str) -> None:
+    if not isinstance(hold, str) or not _HOLD_NAME.fullmatch(hold):
+        raise ValueError(f"admission hold name {hold!r}: expected lower-case letters, digits, '-' or '_' "
+                         "(1-64 characters, starting with a letter)")
+
+
+def _restored_counters(saved: dict[str, int], states: bytes) -> dict[str, int]:
+    """The counters a restored queue starts with: those the ticket states determine are derived from
+    them (running tickets become abandoned) and must agree with the saved ones."""
+    running, queued, consumed, abandoned, regenerated = (states.count(s) for s in
+                                                         (RUNNING, QUEUED, CONSUMED, ABANDONED, REGENERATED))
+    derived = {"admitted": len(states), "committed": queued + consumed + regenerated, "consumed": consumed,
+               "abandoned": abandoned}
+    for name, value in derived.items():
+        if saved.get(name) != value:
+            raise ValueError(f"counters.{name} = {saved.get(name)!r}, but the ticket states give {value}")
+    if not isinstance(saved.get("over_budget"), int) or saved["over_budget"] < regenerated:
+        raise ValueError(f"counters.over_budget = {saved.get('over_budget')!r}, but {regenerated} groups "
+                         "were regenerated for being over budget")
+    return {**saved, **derived, "abandoned": abandoned + running}
+
+
+def _check_restored(queue: ReplayQueue, groups: list[QueuedGroup]) -> None:
+    """Every prompt the cursor handed out is in exactly one place: queued, consumed or to be generated
+    again; the queued groups are those whose tickets say so; none is newer than the queue."""
+    queued_ids = sorted(g.group_id for g in groups)
+    expected = [i for i, state in enumerate(queue._states) if state == QUEUED]
+    if queued_ids != expected:
+        raise ValueError(f"the queued groups {queued_ids[:8]} are not the tickets in state queued {expected[:8]}")
+    newer = [g.group_id for g in groups if g.min_version > queue._version]
+    if newer:
+        raise ValueError(f"groups {newer[:8]} were sampled by versions newer than the queue's {queue._version}")
+    returned = list(queue._returned)
+    places = returned + [g.prompt_id for g in groups]
+    if len(set(places)) != len(places) or any(not 0 <= p < queue._next_prompt for p in places):
+        raise ValueError(f"returned and queued prompts must be distinct ids below the cursor {queue._next_prompt}")
+    consumed = queue.counters["consumed"]
+    if len(places) + consumed != queue._next_prompt:
+        raise ValueError(f"the cursor handed out {queue._next_prompt} prompts, but {len(groups)} are queued, "
+                         f"{consumed} consumed and {len(returned)} to be generated again")
 
 
 def assemble(groups: list[QueuedGroup], batches: list[pa.RecordBatch] | None = None) -> pa.Table:

@@ -32,6 +32,11 @@ class BatchError(ValueError):
         prefix = ", ".join(part for part in where if part)
         super().__init__(f"{prefix}: {problem}" if prefix else problem)
 
+    def __reduce__(self):
+        # Rebuilt from its parts when it crosses a process boundary (a Ray call): the default would call
+        # __init__ with the message alone, and the caller would get Ray's "failed to deserialize" instead.
+        return type(self), (self.column, self.row, self.problem)
+
 
 class GroupSpan(NamedTuple):
     """One group's rows inside a validated batch."""

@@ -15,6 +15,16 @@ Notation (all [N, T], aligned to response tokens): `b` behaviour log-prob (the e
 
 `masked_is` checks the ratio per token, per sequence (product) or by geometric mean (`level`).
 
+Normalisation (one convention for every loss, alone or micro-batched): a token that is masked —
+rejected by `masked_is`, or with a non-finite log-prob — contributes zero but still counts in the
+denominator, which is the number of response tokens in `mask` (`token_mean`), of rows
+(`seq_mean_token_sum`), or of rows with each row's mean over its response tokens
+(`seq_mean_token_mean`). Why this and not dividing by the kept tokens (verl's convention): rejection
+is then an importance weight of zero, so the estimate shrinks as more of the batch is rejected instead
+of blowing up the few tokens left exactly when the data is most off-policy; and the denominator is
+known before the loss is computed, so micro-batches and data-parallel ranks given the whole batch's
+count as `denominator` add up to the whole-batch loss (AReaL's and slime's convention).
+
 Safety: every log-ratio is clamped to ±`LOG_RATIO_CLAMP` before `exp`; tokens whose behaviour (or
 proximal) log-prob is not finite are masked and counted; an all-masked batch gives a zero loss whose
 gradients are zero, never NaN. Metrics are detached 0-d tensors (no device sync here).
@@ -77,16 +87,17 @@ def _ppo_term(log_ratio: torch.Tensor, adv: torch.Tensor, clip_low: float,
     return -torch.minimum(unclipped, clipped), (clipped < unclipped), ratio
 
 
-def _aggregate(per_token: torch.Tensor, valid: torch.Tensor, aggregation: Aggregation,
+def _aggregate(per_token: torch.Tensor, kept: torch.Tensor, mask: torch.Tensor, aggregation: Aggregation,
                denominator: float | None) -> torch.Tensor:
-    weights = valid.to(per_token.dtype)
-    masked = per_token * weights  # per_token is finite everywhere, so masking by product is safe
+    """Sum of the kept tokens' losses over the count of `mask`'s tokens or rows (see the module docstring)."""
+    masked = per_token * kept.to(per_token.dtype)  # per_token is finite everywhere, so masking by product is safe
+    response = mask.to(per_token.dtype)
     if aggregation == "token_mean":
-        return masked.sum() / (denominator if denominator is not None else weights.sum().clamp(min=1.0))
+        return masked.sum() / (denominator if denominator is not None else response.sum().clamp(min=1.0))
     if aggregation == "seq_mean_token_sum":
         return masked.sum() / (denominator if denominator is not None else max(per_token.shape[0], 1))
     if aggregation == "seq_mean_token_mean":
-        per_seq = masked.sum(-1) / weights.sum(-1).clamp(min=1.0)
+        per_seq = masked.sum(-1) / response.sum(-1).clamp(min=1.0)
         return per_seq.sum() / (denominator if denominator is not None else max(per_token.shape[0], 1))
     raise ValueError(f"unknown aggregation {aggregation!r}")
 
@@ -107,7 +118,7 @@ def _finish(per_token: torch.Tensor, batch: PolicyBatch, valid: torch.Tensor, *,
         per_token = per_token + kl_coef * kl
         metrics["kl_ref"] = _masked_mean(kl.detach(), valid)
     kept = valid if rejected is None else valid & ~rejected
-    loss = _aggregate(per_token, kept, aggregation, denominator)
+    loss = _aggregate(per_token, kept, batch.mask.bool(), aggregation, denominator)
 
     with torch.no_grad():
         tokens = batch.mask.bool().sum().clamp(min=1)

@@ -26,7 +26,7 @@ import numpy as np
 
 from streamrl.buffer.queue import QueueClosed, Ticket
 from streamrl.engine.generation import Generation
-from streamrl.rollout.producer import QueueClient, pack_groups
+from streamrl.rollout.producer import QueueClient, commit_or_give_back, pack_groups
 from streamrl.tasks import Task
 from streamrl.weights.receiver import WeightReceiver
 
@@ -82,7 +82,7 @@ class ContinuousProducer:
         self._error: BaseException | None = None
         self._done = threading.Event()
         self.stats = {"groups": 0, "samples": 0, "generated_tokens": 0, "decode_steps": 0, "busy_slot_s": 0.0,
-                      "run_s": 0.0, "weight_updates": 0, "aborted_groups": 0}
+                      "run_s": 0.0, "weight_updates": 0, "aborted_groups": 0, "expired_groups": 0}
         self.stalls: list[float] = []  # seconds each weight switch held up the decode loop
         self.last_blocked_by: str | None = None
 
@@ -210,11 +210,12 @@ class ContinuousProducer:
                 ticket_ids, batch = item
                 if self._error is None and batch is not None:
                     try:
-                        self.queue.commit(batch)
-                        self.stats["groups"] += len(ticket_ids)
-                        continue
+                        committed = commit_or_give_back(self.queue, batch, ticket_ids)
                     except BaseException as exc:
-                        self._fail(exc)
+                        self._fail(exc)  # given back
+                        continue
+                    self.stats["groups" if committed else "expired_groups"] += len(ticket_ids)
+                    continue
                 self.queue.abandon(ticket_ids)  # not committed: the prompts go back
         except BaseException as exc:
             self._fail(exc)

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from streamrl import failpoints
-from streamrl.buffer.queue import Admission, Ticket
+from streamrl.buffer.queue import Admission, Ticket, TicketExpired
 from streamrl.buffer.schema import build_batch
 from streamrl.engine.generation import Generation
 from streamrl.tasks import Task
@@ -40,6 +40,21 @@ class QueueClient(Protocol):
     def commit(self, batch: pa.RecordBatch) -> list[int]: ...
 
     def abandon(self, ticket_ids: list[int]) -> None: ...
+
+
+def commit_or_give_back(queue: QueueClient, batch: pa.RecordBatch, ticket_ids: list[int]) -> bool:
+    """Commit a batch of finished groups; True when it was queued. When the queue had already taken one
+    of them back (its ticket expired while it ran), the others go back too and False is returned: the
+    run goes on, the prompts are generated again. Any other failure gives them all back and propagates."""
+    try:
+        queue.commit(batch)
+        return True
+    except TicketExpired:
+        queue.abandon(ticket_ids)
+        return False
+    except BaseException:
+        queue.abandon(ticket_ids)
+        raise
 
 
 def pack_groups(tickets: Sequence[Ticket], prompts: Sequence[Sequence[int]], generation: Generation,
@@ -75,7 +90,8 @@ class RolloutProducer:
         self.producer_id = producer_id
         self.queue, self.receiver, self.sampler, self.task = queue, receiver, sampler, task
         self.group_size, self.groups_per_batch = group_size, groups_per_batch
-        self.stats = {"groups": 0, "samples": 0, "generated_tokens": 0, "generate_s": 0.0, "idle_s": 0.0}
+        self.stats = {"groups": 0, "samples": 0, "generated_tokens": 0, "generate_s": 0.0, "idle_s": 0.0,
+                      "expired_groups": 0}
         self.last_blocked_by: str | None = None
 
     def refresh(self) -> int:
@@ -97,13 +113,16 @@ class RolloutProducer:
             return 0
         self.stats["idle_s"] += time.perf_counter() - waited
         tickets = admission.tickets
+        ticket_ids = [t.ticket_id for t in tickets]
         try:
             failpoints.hit("producer.generate")
             batch = self.generate(tickets)
-            self.queue.commit(batch)
         except BaseException:
-            self.queue.abandon([t.ticket_id for t in tickets])  # the prompts go back; the error propagates
+            self.queue.abandon(ticket_ids)  # the prompts go back; the error propagates
             raise
+        if not commit_or_give_back(self.queue, batch, ticket_ids):
+            self.stats["expired_groups"] += len(tickets)
+            return 0
         failpoints.hit("producer.after_commit")  # committed: its tickets are the queue's now
         self.stats["groups"] += len(tickets)
         return len(tickets)

@@ -37,7 +37,7 @@ from streamrl.engine.generation import Generation
 from streamrl.engine.sglang.client import SglangClient
 from streamrl.engine.sglang.engine import EngineLost, EnginePool, Loader, Sample
 from streamrl.engine.sglang.server import ServerProcess
-from streamrl.rollout.producer import QueueClient, pack_groups
+from streamrl.rollout.producer import QueueClient, commit_or_give_back, pack_groups
 from streamrl.tasks import Task
 from streamrl.weights.arrays import resolve
 from streamrl.weights.broadcast import Sender, UpdateGroups, distributed_loader
@@ -128,9 +128,11 @@ class SglangProducer:
         self._samples = ThreadPoolExecutor(max_workers=max_groups * group_size, thread_name_prefix="sample")
         self._weights_error: BaseException | None = None
         self.stats: dict[str, Any] = {"groups": 0, "samples": 0, "generated_tokens": 0, "lost_groups": 0,
-                                      "weight_updates": 0, "update_pause_s": 0.0}
+                                      "expired_groups": 0, "weight_updates": 0, "update_pause_s": 0.0}
         self.last_blocked_by: str | None = None
         self._loaded = threading.Event()  # set by the weights thread after each version it loads
+        # (wall time, version) each time every engine holds a newer version, as `WeightReceiver.history`
+        self.history: list[tuple[float, int]] = []
 
     def run(self, stop: threading.Event) -> None:
         """Generate until `stop` is set; a commit or weights failure is raised here."""
@@ -201,11 +203,9 @@ class SglangProducer:
                            dtype=np.float32)
         batch = pack_groups([ticket], [prompt], generation, rewards, group_size=self.group_size,
                             producer_id=self.producer_id, t_start=started, t_end=time.time())
-        try:
-            self.queue.commit(batch)
-        except BaseException:
-            self.queue.abandon([ticket.ticket_id])
-            raise
+        if not commit_or_give_back(self.queue, batch, [ticket.ticket_id]):
+            self.stats["expired_groups"] += 1
+            return
         failpoints.hit("producer.after_commit")  # committed: its ticket is the queue's now
         self.stats["groups"] += 1
         self.stats["samples"] += len(samples)
@@ -222,6 +222,7 @@ class SglangProducer:
                     continue
                 version, arrays = got
                 pauses = self.pool.update_weights(version, self.loader_for(version, arrays))
+                self.history.append((time.time(), version))
                 have = version
                 self.stats["weight_updates"] += 1
                 self.stats["update_pause_s"] += sum(pauses)

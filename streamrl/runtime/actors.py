@@ -37,14 +37,19 @@ def actor_name(run_name: str, role: str) -> str:
 
 
 class RemoteQueue:
-    """`streamrl.rollout.QueueClient` over the queue actor."""
+    """`streamrl.rollout.QueueClient` over the queue actor, for one producer: it registers for a lease
+    that every admission carries, so that once the driver declares this producer dead (and gives its
+    tickets back), an admission it had already sent cannot issue new ones."""
 
-    def __init__(self, handle: ray.actor.ActorHandle):
-        self.handle = handle
+    def __init__(self, handle: ray.actor.ActorHandle, producer_id: int):
+        self.handle, self.producer_id = handle, producer_id
+        self.lease = ray.get(handle.register_producer.remote(producer_id))
 
     def admit(self, producer_id: int, max_groups: int, *, weights_version: int | None = None,
               timeout: float = 0.0) -> Admission:
-        return ray.get(self.handle.admit.remote(producer_id, max_groups, weights_version, timeout))
+        if producer_id != self.producer_id:
+            raise ValueError(f"this client admits for producer {self.producer_id}, not {producer_id}")
+        return ray.get(self.handle.admit.remote(producer_id, max_groups, weights_version, timeout, self.lease))
 
     def commit(self, batch: pa.RecordBatch) -> list[int]:
         return ray.get(self.handle.commit.remote(batch))
@@ -140,7 +145,7 @@ class ProducerActor:
         sampler = TorchSampler(model, pad_id=tokenizer.pad_token_id or 0, stop_ids=task.stop_token_ids,
                                max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens(),
                                temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, seed=seed)
-        self.producer = RolloutProducer(producer_id, queue=RemoteQueue(get_queue_actor(run_name)),
+        self.producer = RolloutProducer(producer_id, queue=RemoteQueue(get_queue_actor(run_name), producer_id),
                                         receiver=self.receiver, sampler=sampler, task=task,
                                         group_size=cfg.queue.group_size,
                                         groups_per_batch=cfg.producers.groups_per_batch)
@@ -211,7 +216,7 @@ class SglangProducerActor:
                                               node=ray.util.get_node_ip_address())
 
         self.producer = SglangProducer(
-            producer_id, queue=RemoteQueue(get_queue_actor(run_name)), pool=pool, task=task,
+            producer_id, queue=RemoteQueue(get_queue_actor(run_name), producer_id), pool=pool, task=task,
             group_size=cfg.queue.group_size, max_groups=cfg.producers.groups_per_batch,
             max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens(),
             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
@@ -251,7 +256,7 @@ class SglangProducerActor:
                 **_reward_failures(self.producer.task)}
 
     def weight_history(self) -> list[tuple[float, int]]:
-        return []
+        return list(self.producer.history)
 
     def release_gpu(self) -> None:
         """Colocated: hand the GPU to the trainer (servers paused, memory freed)."""

@@ -4,9 +4,12 @@
  validate config ─► run directory ─► Ray (local instance or cluster) ─► actors:
     RUN/queue (restored on --resume) · RUN/weights · RUN/trainer · RUN/producer-i (run free)
  loop: trainer.step() ─► metrics.jsonl, groups.jsonl, progress ─► eval / checkpoint every N steps
- stop (steps done, time limit, Ctrl-C): pause admission ─► producers stop ─► restore admission
+ stop (steps done, time limit, Ctrl-C): the shutdown hold on admission ─► producers stop ─► hold released
     ─► final eval ─► checkpoint ─► summary.json ─► actors killed, local Ray shut down
 ```
+Producers are watched all the time, not only while the trainer waits for data: the driver waits on the
+trainer's call and every producer's run at once, so one that dies while the others keep the trainer fed
+is replaced within a second.
 The driver is the only place that knows the whole run; everything it does between steps sees a
 consistent state (the trainer is idle), which is what makes its checkpoints exact.
 """
@@ -45,6 +48,7 @@ from streamrl.weights.actor import WeightsActor
 FROZEN_ON_RESUME = ("model", "task", "queue.group_size", "queue.groups_per_step", "trainer.backend",
                     "trainer.tensor_parallel", "trainer.pipeline_parallel")  # the optimizer state is saved per shard
 METRICS_FILE, GROUPS_FILE, EVAL_FILE, EVENTS_FILE = "metrics.jsonl", "groups.jsonl", "eval.jsonl", "events.jsonl"
+SHUTDOWN_HOLD = "shutdown"  # the launcher's admission hold while producers stop (the operator's is its own)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -286,22 +290,27 @@ class Run:
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def _await(self, ref: ray.ObjectRef) -> Any:
-        """Wait for a trainer call; a producer that died meanwhile is replaced, one that failed fails the run."""
+        """Wait for a trainer call and, at the same time, for any producer's run to end: a producer that
+        died is replaced at once (however fast the trainer's calls return), one that failed fails the run."""
         while True:
-            ready, _ = ray.wait([ref], timeout=0.5)
-            if ready:
+            # a bounded wait, so that Ctrl-C reaches the driver between waits
+            ready, _ = ray.wait([ref, *self.producer_runs], num_returns=1, timeout=1.0)
+            if not ready:
+                continue
+            if ready[0] == ref:
                 return ray.get(ref)
-            done, _ = ray.wait(self.producer_runs, num_returns=len(self.producer_runs), timeout=0)
-            for finished in done:
-                pid = self.producer_runs.index(finished)
-                try:
-                    ray.get(finished)
-                except ray.exceptions.RayError as exc:
-                    if not actor_died(exc) or self.dead_core_actor() is not None:
-                        raise
-                    self.replace_producer(pid, exc)
-                    continue
-                raise RuntimeError(f"producer {pid} stopped while the run was training")
+            self._producer_ended(self.producer_runs.index(ready[0]))
+
+    def _producer_ended(self, pid: int) -> None:
+        """A producer's run returned or raised while the run was training."""
+        try:
+            stats = ray.get(self.producer_runs[pid])
+        except ray.exceptions.RayError as exc:
+            if not actor_died(exc) or self.dead_core_actor() is not None:
+                raise
+            self.replace_producer(pid, exc)
+            return
+        raise RuntimeError(f"producer {pid} stopped while the run was training ({stats})")
 
     def dead_core_actor(self) -> str | None:
         """The first of queue, weights and trainer whose process is gone (None: all three answer)."""
@@ -466,23 +475,31 @@ class Run:
         return path
 
     def stop_producers(self, timeout: float = 60.0) -> None:
-        """Pause admission, let the running generations finish and commit, stop the producers."""
+        """Hold admission, let the running generations finish and commit, stop the producers."""
         if not self.producers:
             return
-        was_paused = ray.get(self.queue.pause.remote())
+        ray.get(self.queue.pause.remote(SHUTDOWN_HOLD))
+        failpoints.hit("launch.stop_producers")  # held: an operator's pause or resume may land now
         for producer in self.producers:
             producer.stop.remote()
         ray.wait(self.producer_runs, num_returns=len(self.producer_runs), timeout=timeout)
-        alive = []
+        stopped = []
         for pid, run in enumerate(self.producer_runs):
             try:
                 ray.get(run, timeout=0)
-                alive.append(self.producers[pid])
+                stopped.append(self.producers[pid])
             except ray.exceptions.ActorDiedError:  # died while stopping: its running groups go back
                 self._release_producer(pid)
-        self.producer_stats = ray.get([p.status.remote() for p in alive])
-        self.weight_histories = ray.get([p.weight_history.remote() for p in alive])
-        ray.get(self.queue.resume.remote(was_paused))  # the checkpoint keeps the operator's setting
+            except ray.exceptions.GetTimeoutError:  # still generating after `timeout`: cut short
+                ray.kill(self.producers[pid])
+                self._release_producer(pid)
+                self.run_dir.append(EVENTS_FILE, {"event": "producer_killed_at_stop", "producer": pid,
+                                                  "timeout_s": timeout, "at": time.time()})
+        self.producer_stats = ray.get([p.status.remote() for p in stopped])
+        self.weight_histories = ray.get([p.weight_history.remote() for p in stopped])
+        self.producer_runs = []  # ended on purpose: no longer watched by `_await` (the final evaluation)
+        # Released before the checkpoint, which keeps only the holds that outlive the run (the operator's).
+        ray.get(self.queue.resume.remote(SHUTDOWN_HOLD))
 
     def finish(self, view: ProgressView) -> dict[str, Any]:
         view.close()

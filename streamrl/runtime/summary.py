@@ -10,13 +10,15 @@ from streamrl.config import RunConfig
 from streamrl.runtime.rundir import RunDir
 
 
-def held_versions_differ(histories: list[list[tuple[float, int]]]) -> tuple[int, int]:
+def held_versions_differ(histories: list[list[tuple[float, int]]]) -> tuple[int, int] | tuple[None, None]:
     """(weight loads after which producers held different versions, the largest spread of versions held
     at one moment). Each history is (wall time, version) per load, in order. A barrier that moved every
     producer to each new version together would keep the spread at most 1 (between two loads of
-    the same version); producers that pick up weights on their own schedules drift further apart."""
+    the same version); producers that pick up weights on their own schedules drift further apart.
+    (None, None) when fewer than two producers reported loads: there is nothing to compare, not zero."""
+    histories = [history for history in histories if history]
     if len(histories) < 2:
-        return 0, 0
+        return None, None
     events = sorted((t, i, v) for i, history in enumerate(histories) for t, v in history)
     held: dict[int, int] = {}
     differing = spread = 0

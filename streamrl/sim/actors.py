@@ -42,7 +42,7 @@ class SimProducerActor:
         self.weights = ray.get_actor(actor_name(run_name, "weights"), namespace=NAMESPACE)
         self.receiver = WeightReceiver(remote_fetch(self.weights, producer_id), poll_s=1.0,
                                        standby=copy.deepcopy(engine.model))
-        self.producer = ContinuousProducer(producer_id, queue=RemoteQueue(get_queue_actor(run_name)),
+        self.producer = ContinuousProducer(producer_id, queue=RemoteQueue(get_queue_actor(run_name), producer_id),
                                            receiver=self.receiver, engine=engine, task=SimTask(work),
                                            group_size=work.group_size, max_staleness=max_staleness)
         self._stop = threading.Event()

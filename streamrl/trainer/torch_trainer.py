@@ -13,7 +13,8 @@ step per consumed batch (the default) `p` equals θ's value in the same forward 
 `θ.detach()` instead of paying for a second forward pass; then `decoupled_ppo` and `tis` coincide
 (r = 1, nothing to clip). With several mini-batches (PPO's inner epochs: more learning per generated
 sample) θ moves away from p within the step, the PPO clip bounds that move, and the correction bounds
-the behaviour → proximal gap: the objectives differ as they do in the literature.
+the behaviour → proximal gap: the objectives differ as they do in the literature. A loss that does not
+read `p` (`LossConfig.needs_proximal`: `ppo_bypass`, `reinforce`) never pays for that forward pass.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class TorchTrainer:
         self.config, self.group_size, self.temperature = trainer, group_size, temperature
         self.loss_name = loss.name
         self.loss_fn = make_loss(loss)
+        self.needs_proximal = loss.needs_proximal
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=trainer.lr, betas=trainer.betas,
                                            weight_decay=trainer.weight_decay)
@@ -104,7 +106,7 @@ class TorchTrainer:
         adv = broadcast_to_tokens(advantages(batch.rewards, self.group_size, self.config.advantage), mask)
         parts = self._minibatch_rows(len(lengths))
         # one optimizer step: p is θ in the same forward pass (see the module docstring)
-        proximal = None if len(parts) == 1 else self._proximal_logprobs(
+        proximal = None if len(parts) == 1 or not self.needs_proximal else self._proximal_logprobs(
             batch, lengths, np.sort(np.concatenate([self._shard(rows) for rows in parts])))
         saved = None if len(parts) == 1 else (_host_copy(self.model.state_dict()),  # host memory, not the GPU's
                                               _host_copy(self.optimizer.state_dict()))
@@ -191,11 +193,13 @@ class TorchTrainer:
 
         def loss_of(part: np.ndarray, theta: torch.Tensor) -> torch.Tensor:
             rows_t, cut = torch.from_numpy(part), slice(0, theta.shape[1])
+            if not self.needs_proximal:
+                prox = None
+            else:
+                prox = theta.detach() if proximal is None else proximal[rows_t, cut]
             loss, metrics = self.loss_fn(
                 PolicyBatch(logprobs=theta, behavior_logprobs=behavior[rows_t, cut], advantages=adv[rows_t, cut],
-                            mask=mask[rows_t, cut],
-                            proximal_logprobs=theta.detach() if proximal is None else proximal[rows_t, cut],
-                            versions=versions[rows_t, cut]),
+                            mask=mask[rows_t, cut], proximal_logprobs=prox, versions=versions[rows_t, cut]),
                 denominator=denominator, trainer_version=self.version)
             within = float(mask[rows_t].sum()) / max(tokens, 1)
             _accumulate(totals, metrics, share=share * within, loss=share * float(loss.detach()))
