@@ -4,7 +4,7 @@
     python benchmarks/gpu_smoke.py --steps 30 --out smoke.json
 
 No Ray (a GPU machine may not have it): the in-process replay queue, weight registry and producer
-loop that the Ray actors wrap. One producer thread generates with the torch sampler while the main
+loop that the Ray actors wrap. One producer thread generates with the torch engine while the main
 thread trains; after each step the trainer's weights are exported in Hugging Face names and
 published, and the producer switches to them at a decode-step boundary. Prints and writes generated
 and trained tokens/s, step time and weight-publish time (export + publish). Runs on CPU too
@@ -24,11 +24,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from streamrl.buffer import QueueConfig, ReplayQueue
+from streamrl.buffer import QueueClosed, QueueConfig, ReplayQueue
 from streamrl.buffer.queue import assemble
 from streamrl.config import ModelSection, TaskSection, TrainerSection
 from streamrl.correction import LossConfig
-from streamrl.engine.sampler import TorchSampler
+from streamrl.engine.local_weights import LocalWeights
+from streamrl.engine.torch_engine import TorchEngine
 from streamrl.models.hf import load_policy, quiet_transformers
 from streamrl.models.tiny import build_tiny_model
 from streamrl.rollout.producer import RolloutProducer
@@ -83,18 +84,18 @@ def main() -> None:
         registry.publish(0, trainer.weights())
         receiver = WeightReceiver(lambda have, timeout: registry.acquire(0, have, timeout), poll_s=0.05,
                                   standby=copy.deepcopy(policy))
-        sampler = TorchSampler(policy, pad_id=tokenizer.pad_token_id or 0, stop_ids=task.stop_token_ids,
-                               max_new_tokens=task.max_new_tokens())
-        producer = RolloutProducer(0, queue=queue, receiver=receiver, sampler=sampler, task=task,
-                                   group_size=args.group_size, groups_per_batch=args.groups_per_step)
-        receiver.fetch_now()
-        receiver.start()
+        engine = TorchEngine(LocalWeights(policy, receiver), pad_id=tokenizer.pad_token_id or 0,
+                             stop_ids=task.stop_token_ids, max_new_tokens=task.max_new_tokens(),
+                             capacity=args.groups_per_step * args.group_size)
+        producer = RolloutProducer(0, queue=queue, engine=engine, task=task, group_size=args.group_size,
+                                   max_staleness=args.max_staleness)
         stop, errors = threading.Event(), []
 
         def produce():
             try:
-                while not stop.is_set():
-                    producer.run_once(timeout=0.2)
+                producer.run(stop)
+            except QueueClosed:
+                pass  # the loop below closed it: the run is over
             except BaseException as exc:  # re-raised below, in the main thread
                 errors.append(exc)
 
@@ -119,7 +120,6 @@ def main() -> None:
             stop.set()
             queue.close()
             thread.join(timeout=60)
-            receiver.stop()
         if errors:
             raise errors[0]
         if hasattr(trainer, "close"):

@@ -26,8 +26,9 @@ from rich.console import Console
 from rich.table import Table
 
 from streamrl.benchreport import BASELINES, Target, finish
-from streamrl.runtime.actors import create_actor, remote_fetch
+from streamrl.runtime.actors import create_actor
 from streamrl.runtime.connect import start_local
+from streamrl.runtime.engines import remote_fetch
 from streamrl.sim.workload import SimWorkload
 from streamrl.weights.actor import WeightsActor
 from streamrl.weights.receiver import WeightReceiver

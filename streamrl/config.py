@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from streamrl.buffer.config import QueueConfig
 from streamrl.correction.config import LossConfig
+from streamrl.sim.workload import SimSection, SimWorkload
 
 
 class ConfigError(ValueError):
@@ -68,8 +69,9 @@ class ModelSection(_Section):
 
 
 class TaskSection(_Section):
-    kind: Literal["reverse", "file"] = "reverse"
-    """`reverse`: the built-in digit-reversal task. `file`: prompts from Parquet/JSONL, your reward."""
+    kind: Literal["reverse", "file", "sim"] = "reverse"
+    """`reverse`: the built-in digit-reversal task. `file`: prompts from Parquet/JSONL, your reward.
+    `sim`: the simulated workload's prompts and rewards (with the sim engine and trainer: nothing is learned)."""
     digits: int = Field(3, ge=1, le=12)
     """reverse: length of the digit string."""
     prompts: str | None = None
@@ -150,9 +152,12 @@ class SglangSection(_Section):
 class ProducerSection(_Section):
     count: int = Field(2, ge=1)
     """Rollout producer actors."""
-    engine: Literal["torch", "sglang"] = "torch"
+    engine: Literal["torch", "sglang", "sim"] = "torch"
+    """`torch`: the policy in the producer's process; `sglang`: the producer's sglang servers; `sim`: the
+    calibrated timing model of `[sim]` (its slots are `sim.sequences_per_producer`)."""
     groups_per_batch: int = Field(16, ge=1)
-    """Groups a producer admits and generates together (one sampler batch of groups × G sequences)."""
+    """Groups a producer runs at once (torch and sglang: groups_per_batch × G sequences); a finished
+    sequence's slot is refilled at once (continuous batching), so a long response holds one slot."""
     threads: int = Field(1, ge=1)
     """torch threads per producer."""
     num_cpus: float = Field(0.5, ge=0)
@@ -171,7 +176,9 @@ class ProducerSection(_Section):
 
 
 class TrainerSection(_Section):
-    backend: Literal["torch", "megatron"] = "torch"
+    backend: Literal["torch", "megatron", "sim"] = "torch"
+    """`sim`: the timing model of `[sim]` (sleeps `train_s_per_token` per response token, publishes real
+    weights of `sim.weights_mb`), for benchmarking the pipeline without the model's arithmetic."""
     lr: float = Field(1e-3, gt=0)
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.99)
     """Adam's β1, β2, each in [0, 1)."""
@@ -245,10 +252,21 @@ class RunConfig(_Section):
     loss: LossConfig = LossConfig()
     logging: LoggingSection = LoggingSection()
     ray: RaySection = RaySection()
+    sim: SimSection = SimSection()
+
+    def sim_workload(self) -> SimWorkload:
+        """`[sim]` with the layout the rest of the config gives (producers, G, B)."""
+        return SimWorkload(**self.sim.model_dump(), producers=self.producers.count,
+                           group_size=self.queue.group_size, groups_per_step=self.queue.groups_per_step)
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
         task, queue = self.task, self.queue
+        sim = {"producers.engine": self.producers.engine, "trainer.backend": self.trainer.backend,
+               "task.kind": task.kind}
+        if "sim" in sim.values() and set(sim.values()) != {"sim"}:
+            raise ValueError("the simulator runs whole: producers.engine, trainer.backend and task.kind must all be "
+                             f"'sim' (got {', '.join(f'{k} = {v!r}' for k, v in sim.items())})")
         if task.kind == "file":
             missing = [name for name in ("prompts", "reward") if getattr(task, name) is None]
             if missing:

@@ -6,7 +6,6 @@ import ray
 from streamrl.buffer import QueueConfig
 from streamrl.buffer.actor import create_queue_actor
 from streamrl.cli import main
-from streamrl.runtime.connect import start_local
 
 
 def test_bench_lists_and_refuses_unknown_names(capsys):
@@ -27,10 +26,9 @@ def test_bad_verb_and_action_exit_nonzero(capsys):
 
 
 @pytest.mark.ray
-def test_admission_pause_resume_status_against_a_named_queue(capsys):
-    start_local(2, log_to_driver=False)
+def test_admission_pause_resume_status_against_a_named_queue(ray_local, capsys):
+    queue = create_queue_actor("cli-run", QueueConfig(group_size=1, groups_per_step=1))
     try:
-        queue = create_queue_actor("cli-run", QueueConfig(group_size=1, groups_per_step=1))
         assert main(["admission", "pause", "--run", "cli-run"]) == 0
         assert "admission paused" in capsys.readouterr().out
         assert main(["admission", "pause", "--run", "cli-run"]) == 0
@@ -51,9 +49,8 @@ def test_admission_pause_resume_status_against_a_named_queue(capsys):
         assert len(ray.get(queue.admit.remote(0, 1)).tickets) == 1
         assert main(["admission", "status", "--run", "no-such-run"]) == 2
         assert "no running streamrl run named 'no-such-run'" in capsys.readouterr().err
-        ray.kill(queue)
     finally:
-        ray.shutdown()
+        ray.kill(queue)
 
 
 def test_the_final_line_handles_a_run_stopped_before_its_first_step():

@@ -79,7 +79,7 @@ def test_apply_overrides_does_not_mutate_its_input():
 LAUNCH = __import__("pathlib").Path(__file__).resolve().parent.parent / "launch"
 
 
-@pytest.mark.parametrize("name", ["default", "sync", "one-step", "cpu-large", "cluster", "file-task", "gpu-split",
+@pytest.mark.parametrize("name", ["default", "sync", "one-step", "cpu-large", "cluster", "file-task", "gpu-split", "sim",
                                   "gpu-cluster", "gpu-colocated"])
 def test_example_configs_load(name):
     config = load_config(LAUNCH / f"{name}.toml")

@@ -1,9 +1,16 @@
-import time
+"""The one producer over the torch engine, against the real queue and weights registry (no Ray): valid
+scored groups, failures that give prompts back, stale weights, expired tickets, doomed groups stopped."""
 
+import threading
+import time
+from contextlib import contextmanager
+
+import numpy as np
 import pytest
 
 from streamrl.buffer import QueueConfig, ReplayQueue, validate_batch
-from streamrl.engine.sampler import TorchSampler
+from streamrl.engine.local_weights import LocalWeights
+from streamrl.engine.torch_engine import TorchEngine
 from streamrl.models.hf import load_policy
 from streamrl.rollout import RolloutProducer
 from streamrl.tasks.reverse import EOS, ReverseDigits
@@ -12,14 +19,33 @@ from streamrl.weights.receiver import WeightReceiver
 from streamrl.weights.registry import WeightRegistry
 
 
-def make_producer(model_dir, queue, registry, task=None, producer_id=0, groups_per_batch=3):
+def make_producer(model_dir, queue, registry, task=None, producer_id=0, groups=3, max_staleness=None):
     model, _ = load_policy(model_dir)
-    receiver = WeightReceiver(lambda have, timeout: registry.acquire(producer_id, have, timeout))
-    receiver.fetch_now()
-    sampler = TorchSampler(model, pad_id=0, stop_ids=[EOS], max_new_tokens=4, seed=producer_id)
-    return RolloutProducer(producer_id, queue=queue, receiver=receiver, sampler=sampler,
-                           task=task or ReverseDigits(2), group_size=queue.config.group_size,
-                           groups_per_batch=groups_per_batch)
+    receiver = WeightReceiver(lambda have, timeout: registry.acquire(producer_id, have, timeout), poll_s=0.05)
+    engine = TorchEngine(LocalWeights(model, receiver), pad_id=0, stop_ids=[EOS], max_new_tokens=4,
+                         capacity=groups * queue.config.group_size, seed=producer_id)
+    return RolloutProducer(producer_id, queue=queue, engine=engine, task=task or ReverseDigits(2),
+                           group_size=queue.config.group_size, max_staleness=max_staleness, admit_timeout=0.05)
+
+
+@contextmanager
+def running(producer):
+    stop, errors = threading.Event(), []
+
+    def run():
+        try:
+            producer.run(stop)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        yield errors
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        assert not thread.is_alive()
 
 
 @pytest.fixture
@@ -31,22 +57,27 @@ def setup(tiny_model_dir):
     return queue, registry
 
 
-def test_committed_batches_are_valid_scored_groups_in_cursor_order(tiny_model_dir, setup):
+def test_committed_groups_are_valid_scored_and_every_prompt_is_accounted_for(tiny_model_dir, setup):
     queue, registry = setup
     task = ReverseDigits(2)
     producer = make_producer(tiny_model_dir, queue, registry, task=task)
-    assert producer.run_once() == 3
-    got = queue.get(3, timeout=0)
-    table = got.groups[0].payload
-    validate_batch(table, group_size=4, trainer_version=0)
-    assert sorted(g.prompt_id for g in got.groups) == [0, 1, 2]
-    for row in table.to_pylist():
-        assert row["prompt_ids"] == task.prompt(row["prompt_id"])
-        assert row["reward"] == pytest.approx(task.reward(row["prompt_id"], row["response_ids"]))
-        assert set(row["versions"]) == {0}
+    with running(producer) as errors:
+        got = queue.get(3, timeout=30)
+    assert not errors and got is not None
+    for group in got.groups:
+        table = group.payload
+        validate_batch(table, group_size=4, trainer_version=0)
+        for row in table.slice(group.row_start, group.row_count).to_pylist():
+            assert row["prompt_ids"] == task.prompt(row["prompt_id"])
+            assert row["reward"] == pytest.approx(task.reward(row["prompt_id"], row["response_ids"]))
+            assert set(row["versions"]) == {0}
+    status = queue.status()
+    assert status["running"] == 0  # stopped: what was running went back
+    prompts = [g.prompt_id for g in got.groups] + [g.prompt_id for g in queue.queued_groups()] + queue.returned_prompts()
+    assert sorted(prompts) == list(range(status["prompt_cursor"]))
 
 
-def test_a_failed_generation_gives_the_prompts_back(tiny_model_dir, setup):
+def test_a_failed_reward_stops_the_producer_and_gives_its_prompts_back(tiny_model_dir, setup):
     queue, registry = setup
 
     class Exploding(ReverseDigits):
@@ -54,25 +85,32 @@ def test_a_failed_generation_gives_the_prompts_back(tiny_model_dir, setup):
             raise ArithmeticError("reward service down")
 
     producer = make_producer(tiny_model_dir, queue, registry, task=Exploding(2))
-    with pytest.raises(ArithmeticError, match="reward service down"):
-        producer.run_once()
+    with running(producer) as errors:
+        deadline = time.time() + 30
+        while not errors and time.time() < deadline:
+            time.sleep(0.05)
+    assert len(errors) == 1 and "reward service down" in str(errors[0])
     status = queue.status()
-    assert status["running"] == 0 and status["abandoned"] == 3 and status["returned_prompts"] == 3
+    assert status["running"] == 0 and status["committed"] == 0
+    assert sorted(queue.returned_prompts()) == list(range(status["prompt_cursor"]))
     healthy = make_producer(tiny_model_dir, queue, registry, producer_id=1)
-    assert healthy.run_once() == 3  # the same prompts, generated again
-    assert sorted(g.prompt_id for g in queue.get(3, timeout=0).groups) == [0, 1, 2]
+    with running(healthy) as errors:
+        got = queue.get(3, timeout=30)  # the same prompts, generated again first
+    assert not errors and sorted(g.prompt_id for g in got.groups) == [0, 1, 2]
 
 
 def test_a_producer_with_stale_weights_waits_for_newer_ones(tiny_model_dir, setup):
     queue, registry = setup
     producer = make_producer(tiny_model_dir, queue, registry)
-    queue.set_version(2)  # the trainer moved on; the producer still holds version 0 (η = 1)
-    assert producer.run_once(timeout=0.05) == 0 and producer.last_blocked_by == "stale_weights"
-    model, _ = load_policy(tiny_model_dir)
-    registry.publish(2, state_arrays(model))
-    producer.receiver.fetch_now()
-    assert producer.run_once() > 0
-    assert producer.receiver.version == 2
+    queue.set_version(2)  # the trainer moved on; only version 0 is published (η = 1)
+    with running(producer) as errors:
+        time.sleep(0.5)
+        assert producer.last_blocked_by == "stale_weights" and queue.status()["admitted"] == 0
+        model, _ = load_policy(tiny_model_dir)
+        registry.publish(2, state_arrays(model))
+        got = queue.get(3, timeout=30)
+    assert not errors and got is not None and producer.engine.weights.version == 2
+    assert all(min(g.payload.column("versions").flatten().to_pylist()) == 2 for g in got.groups)
 
 
 def test_a_group_that_outlived_its_ticket_is_dropped_and_the_producer_goes_on(tiny_model_dir, setup, monkeypatch):
@@ -81,17 +119,42 @@ def test_a_group_that_outlived_its_ticket_is_dropped_and_the_producer_goes_on(ti
     to give back a ticket the queue already held, which raised and stopped the run)."""
     _, registry = setup
     queue = ReplayQueue(QueueConfig(group_size=4, groups_per_step=3, max_staleness=1, max_in_flight=8,
-                                    vocab_size=17, ticket_timeout_s=0.2))
+                                    vocab_size=17, ticket_timeout_s=0.3))
     producer = make_producer(tiny_model_dir, queue, registry)
-    generate = producer.generate
+    pack, slowed = producer._pack, []
 
-    def slow_first_batch(tickets):
-        monkeypatch.setattr(producer, "generate", generate)
-        time.sleep(0.3)  # every ticket of this batch expires meanwhile
-        return generate(tickets)
+    def slow_first_pack(groups):  # the first finished groups took longer than their tickets live
+        if not slowed:
+            slowed.append(len(groups))
+            time.sleep(0.4)
+        return pack(groups)
 
-    monkeypatch.setattr(producer, "generate", slow_first_batch)
-    assert producer.run_once() == 0 and producer.stats["expired_groups"] == 3
-    assert queue.status()["running"] == 0 and queue.status()["returned_prompts"] == 3
-    assert producer.run_once() == 3  # the same prompts, generated again
-    assert sorted(g.prompt_id for g in queue.get(3, timeout=0).groups) == [0, 1, 2]
+    monkeypatch.setattr(producer, "_pack", slow_first_pack)
+    with running(producer) as errors:
+        got = queue.get(3, timeout=30)
+    assert not errors and got is not None
+    assert producer.stats["expired_groups"] >= slowed[0] >= 1
+    assert queue.status()["abandoned"] >= slowed[0]  # their prompts went back and were generated again
+    assert sorted(g.prompt_id for g in got.groups)[0] == 0
+
+
+def test_groups_certain_to_exceed_the_budget_are_stopped_when_weights_move_on(tiny_model_dir):
+    queue = ReplayQueue(QueueConfig(group_size=2, groups_per_step=1, max_staleness=0, max_in_flight=4,
+                                    vocab_size=17))
+    registry = WeightRegistry()
+    model, _ = load_policy(tiny_model_dir)
+    registry.publish(0, state_arrays(model))
+    producer = make_producer(tiny_model_dir, queue, registry, groups=1, max_staleness=0)
+    producer.engine.max_new_tokens = 10_000  # no stop token in reach of an untrained model: runs until stopped
+    producer.engine._stop_ids = [99]
+    with running(producer) as errors:
+        deadline = time.time() + 30
+        while producer.engine.active == 0 and time.time() < deadline:
+            time.sleep(0.02)
+        queue.set_version(1)  # as the trainer does before publishing
+        registry.publish(1, state_arrays(model))
+        while producer.stats["aborted_groups"] == 0 and time.time() < deadline:
+            time.sleep(0.02)
+    assert not errors and producer.stats["aborted_groups"] >= 1
+    assert 0 in queue.returned_prompts() or queue.ticket_state(0) == "abandoned"
+    assert np.isfinite(producer.stats["busy_slot_s"])

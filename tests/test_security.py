@@ -228,7 +228,7 @@ def test_a_server_started_by_streamrl_gets_a_random_key_kept_out_of_messages():
 
 def test_the_fake_server_refuses_requests_without_the_key_as_sglang_does():
     from streamrl.engine.sglang.client import SglangClient, SglangError
-    from streamrl.engine.sglang.engine import SglangEngine
+    from streamrl.engine.sglang.engine import EventLoopThread, SglangEngine
     from streamrl.engine.sglang.server import ServerProcess, ServerSpec
 
     port = free_port()
@@ -243,9 +243,12 @@ def test_the_fake_server_refuses_requests_without_the_key_as_sglang_does():
                 SglangClient(server.url, api_key=key).call("/generate", prompt)
             with pytest.raises(SglangError, match="answered 401"):
                 SglangClient(server.url, api_key=key).update_weight_version(7)
-        engine = SglangEngine(SglangClient(server.url), server=server)  # the client takes its server's key
-        sample = engine.sample([1, 2], max_new_tokens=3)
-        assert len(sample.tokens) == 3
+        io = EventLoopThread()
+        try:
+            engine = SglangEngine(SglangClient(server.url), io, server=server)  # the client takes its server's key
+            assert len(io.call(engine.sample([1, 2], max_new_tokens=3)).tokens) == 3
+        finally:
+            io.close()
         calls = SglangClient(server.url, api_key=spec.api_key).call("/fake/calls", method="GET")["calls"]
         assert [call["path"] for call in calls] == ["/generate"]  # refused requests never reached the model
     finally:

@@ -1,6 +1,6 @@
 """The sglang engine against loopback stand-ins of its servers (tests/fake_sglang.py): the client's
-request and response shapes, exact per-token versions across a weight update, per-engine updates,
-restart after a crash."""
+request and response shapes, exact per-token versions across a weight update, per-server updates,
+restart after a crash, and the one producer over two servers (samples as coroutines of one event loop)."""
 
 import importlib.util
 import json
@@ -16,10 +16,10 @@ import pytest
 
 from streamrl.buffer.schema import LENGTH, STOP
 from streamrl.engine.sglang.client import SglangClient, SglangError
-from streamrl.engine.sglang.engine import EngineLost, EnginePool, SglangEngine
+from streamrl.engine.sglang.engine import EngineLost, EventLoopThread, SglangEngine
 from streamrl.engine.sglang.server import ServerProcess, ServerSpec, group_members
-from streamrl.rollout.sglang_producer import disk_loader
 from streamrl.runtime.net import free_port
+from streamrl.weights.disk import disk_loader
 from streamrl.weights.tensor_handles import tensor_loader
 
 FAKE = Path(__file__).with_name("fake_sglang.py")
@@ -49,6 +49,18 @@ def weights_dir(tmp_path):
     return tmp_path
 
 
+@pytest.fixture
+def io():
+    loop = EventLoopThread()
+    yield loop
+    loop.close()
+
+
+def sample(engine: SglangEngine, prompt, **kwargs):
+    """One sample from this thread: the coroutine on the engine's event loop, waited for."""
+    return engine.io.call(engine.sample(prompt, **kwargs))
+
+
 def calls(server: ServerProcess) -> list[dict]:
     return SglangClient(server.url).call("/fake/calls", method="GET")["calls"]
 
@@ -62,34 +74,34 @@ def test_the_launch_command_binds_to_loopback_and_sends_token_ids_only():
     assert "--skip-tokenizer-init" in command and "--enable-memory-saver" in command
 
 
-def test_generate_returns_tokens_log_probs_and_finish_in_sglang_shapes(server):
-    engine = SglangEngine(SglangClient(server.url))
-    sample = engine.sample([1, 2, 3], max_new_tokens=12, temperature=0.8)
-    assert len(sample.tokens) == len(sample.logprobs) == len(sample.versions) <= 12
-    assert (sample.logprobs <= 0).all() and set(sample.versions) == {0} and sample.segments == 1
-    assert sample.finish == LENGTH if len(sample.tokens) == 12 else STOP
+def test_generate_returns_tokens_log_probs_and_finish_in_sglang_shapes(io, server):
+    engine = SglangEngine(SglangClient(server.url), io)
+    got = sample(engine, [1, 2, 3], max_new_tokens=12, temperature=0.8)
+    assert len(got.tokens) == len(got.logprobs) == len(got.versions) <= 12
+    assert (got.logprobs <= 0).all() and set(got.versions) == {0} and got.segments == 1
+    assert got.finish == LENGTH if len(got.tokens) == 12 else STOP
     request = [c for c in calls(server) if c["path"] == "/generate"][0]["body"]
     assert request["input_ids"] == [1, 2, 3] and request["return_logprob"] is True
     assert request["sampling_params"]["max_new_tokens"] == 12 and request["sampling_params"]["no_stop_trim"]
-    stopped = engine.sample([4], max_new_tokens=200, stop_token_ids=list(range(17)))  # every token stops
+    stopped = sample(engine, [4], max_new_tokens=200, stop_token_ids=list(range(17)))  # every token stops
     assert len(stopped.tokens) == 1 and stopped.finish == STOP
 
 
-def test_a_weight_update_mid_sample_continues_it_and_stamps_every_token_exactly(server, weights_dir):
-    engine = SglangEngine(SglangClient(server.url))
+def test_a_weight_update_mid_sample_continues_it_and_stamps_every_token_exactly(io, server, weights_dir):
+    engine = SglangEngine(SglangClient(server.url), io)
     result = {}
-    worker = threading.Thread(target=lambda: result.update(sample=engine.sample([5, 6], max_new_tokens=150)))
+    worker = threading.Thread(target=lambda: result.update(got=sample(engine, [5, 6], max_new_tokens=150)))
     worker.start()
     time.sleep(0.2)  # ~50 tokens in
     engine.update_weights(1, disk_loader(str(weights_dir)))
     worker.join(timeout=30)
-    sample = result["sample"]
-    assert len(sample.tokens) == 150 and sample.segments == 2 and engine.stats["continued"] == 1
-    switch = int((sample.versions == 0).sum())
-    assert 0 < switch < 150 and list(sample.versions) == [0] * switch + [1] * (150 - switch)
+    got = result["got"]
+    assert len(got.tokens) == 150 and got.segments == 2 and engine.stats["continued"] == 1
+    switch = int((got.versions == 0).sum())
+    assert 0 < switch < 150 and list(got.versions) == [0] * switch + [1] * (150 - switch)
     # Each token's log-prob is that of the weights it is stamped with (the stand-in's toy model).
     toy, context = fake.ToyModel(17, 0), [5, 6]
-    for token, logprob, version in zip(sample.tokens, sample.logprobs, sample.versions):
+    for token, logprob, version in zip(got.tokens, got.logprobs, got.versions):
         probs = toy.distribution("default" if version == 0 else str(version), context, 1.0)
         assert logprob == pytest.approx(math.log(probs[token]), abs=1e-6)
         context.append(int(token))
@@ -97,12 +109,12 @@ def test_a_weight_update_mid_sample_continues_it_and_stamps_every_token_exactly(
     assert sequence == ["/generate", "/pause_generation", "/update_weights_from_disk", "/update_weight_version",
                         "/continue_generation", "/generate"]
     generates = [c["body"] for c in calls(server) if c["path"] == "/generate"]
-    assert generates[1]["input_ids"] == [5, 6, *sample.tokens[:switch].tolist()]  # continued, not restarted
+    assert generates[1]["input_ids"] == [5, 6, *got.tokens[:switch].tolist()]  # continued, not restarted
     assert generates[1]["sampling_params"]["max_new_tokens"] == 150 - switch
 
 
 @pytest.mark.parametrize("path", ["disk", "distributed", "tensor"])
-def test_updating_one_engine_never_holds_up_another(weights_dir, path):
+def test_updating_one_engine_never_holds_up_another(io, weights_dir, path):
     from streamrl.weights.broadcast import UpdateGroups, distributed_loader
 
     servers = [start_fake("--token-delay-s", "0.002", "--update-delay-s", "1.0") for _ in range(2)]
@@ -111,25 +123,25 @@ def test_updating_one_engine_never_holds_up_another(weights_dir, path):
               "distributed": lambda: distributed_loader(groups, mixed_weights(3), 1 << 20),
               "tensor": lambda: tensor_loader(mixed_weights(3), 1 << 20)}[path]()
     try:
-        pool = EnginePool([SglangEngine(SglangClient(s.url)) for s in servers])
-        busy, done, stop = pool.engines[1], [], threading.Event()
+        engines = [SglangEngine(SglangClient(s.url), io) for s in servers]
+        busy, done, stop = engines[1], [], threading.Event()
 
         def generate():
             while not stop.is_set():
-                busy.sample([1], max_new_tokens=5)
+                sample(busy, [1], max_new_tokens=5)
                 done.append(time.monotonic())
 
         worker = threading.Thread(target=generate)
         worker.start()
         time.sleep(0.2)
         began = time.monotonic()
-        paused = pool.engines[0].update_weights(3, loader)
+        paused = engines[0].update_weights(3, loader)
         ended = time.monotonic()
         stop.set()
         worker.join(timeout=30)
         assert paused >= 1.0  # engine 0 was loading for a second ...
         assert sum(began < t < ended for t in done) >= 10  # ... while engine 1 went on generating
-        assert pool.engines[0].version == 3 and pool.engines[1].version == 0 and pool.version == 0
+        assert engines[0].version == 3 and engines[1].version == 0
         if path != "disk":
             assert server_digest(servers[0]) == arrays_digest(mixed_weights(3))
     finally:
@@ -138,14 +150,14 @@ def test_updating_one_engine_never_holds_up_another(weights_dir, path):
             s.stop()
 
 
-def test_a_server_that_dies_is_restarted_with_the_newest_weights_and_the_sample_is_lost(server, weights_dir):
-    engine = SglangEngine(SglangClient(server.url), server=server)
+def test_a_server_that_dies_is_restarted_with_the_newest_weights_and_the_sample_is_lost(io, server, weights_dir):
+    engine = SglangEngine(SglangClient(server.url), io, server=server)
     engine.update_weights(2, disk_loader(str(weights_dir)))
     errors = []
 
     def long_sample():
         try:
-            engine.sample([1], max_new_tokens=2000)
+            sample(engine, [1], max_new_tokens=2000)
         except EngineLost as exc:
             errors.append(exc)
 
@@ -156,14 +168,14 @@ def test_a_server_that_dies_is_restarted_with_the_newest_weights_and_the_sample_
     worker.join(timeout=60)
     assert len(errors) == 1 and server.restarts == 1 and engine.stats["restarts"] == 1
     assert [c["path"] for c in calls(server)][:2] == ["/update_weights_from_disk", "/update_weight_version"]
-    after = engine.sample([1], max_new_tokens=4)  # the new server, on the newest weights
+    after = sample(engine, [1], max_new_tokens=4)  # the new server, on the newest weights
     assert set(after.versions) == {2}
 
 
-def test_server_errors_name_the_problem_and_a_failed_load_leaves_the_version(server, tmp_path):
-    engine = SglangEngine(SglangClient(server.url))
+def test_server_errors_name_the_problem_and_a_failed_load_leaves_the_version(io, server, tmp_path):
+    engine = SglangEngine(SglangClient(server.url), io)
     with pytest.raises(SglangError, match="input_ids must be a non-empty list"):
-        engine.sample([], max_new_tokens=3)
+        sample(engine, [], max_new_tokens=3)
     with pytest.raises(SglangError, match="no model at"):
         engine.update_weights(1, disk_loader(str(tmp_path / "missing")))
     assert engine.version == 0 and engine.stats["updates"] == 0
@@ -209,13 +221,17 @@ time.sleep(600)
 
 # ---- the producer over two stand-in servers, against the real queue and weight registry ------------------
 
-def test_an_sglang_producer_feeds_the_queue_within_budget_with_exact_versions_and_loses_nothing(tmp_path):
+def test_the_producer_over_two_servers_feeds_the_queue_within_budget_with_exact_versions(tmp_path):
+    """The one producer over the sglang pool: samples as coroutines of one event loop (no thread each),
+    weights rolled through the servers from the registry, nothing lost."""
     import numpy as np
 
     from streamrl.buffer import QueueConfig, ReplayQueue, validate_batch
-    from streamrl.rollout.sglang_producer import DiskWeights, SglangProducer
+    from streamrl.engine.sglang.pool import SglangPool, SglangWeights
+    from streamrl.rollout import RolloutProducer
     from streamrl.sim.task import SimTask
     from streamrl.sim.workload import SimWorkload
+    from streamrl.weights.disk import DiskWeights
     from streamrl.weights.registry import WeightRegistry
 
     base = tmp_path / "base"
@@ -226,12 +242,16 @@ def test_an_sglang_producer_feeds_the_queue_within_budget_with_exact_versions_an
     registry = WeightRegistry()
     registry.publish(0, {"w": np.zeros(3, np.float32)})
     work = SimWorkload(prompt_tokens=4, vocab_size=17)
-    producer = SglangProducer(
-        0, queue=queue, pool=EnginePool([SglangEngine(SglangClient(s.url), server=s) for s in servers]),
-        task=SimTask(work), group_size=4, max_groups=4, max_new_tokens=24,
-        fetch=lambda have, timeout: registry.acquire(0, have, timeout), loader_for=DiskWeights(base, tmp_path / "w").loader,
-        weight_poll_s=0.05)
-    stop, errors, consumed, newest = threading.Event(), [], [], 0
+    io = EventLoopThread()
+    engines = [SglangEngine(SglangClient(s.url), io, server=s) for s in servers]
+    weights = SglangWeights(engines, lambda have, timeout: registry.acquire(0, have, timeout),
+                            DiskWeights(base, tmp_path / "w").loader, poll_s=0.05)
+    pool = SglangPool(engines, io, capacity=16, max_new_tokens=24, weights=weights,
+                      on_close=lambda: [s.stop() for s in servers])
+    producer = RolloutProducer(0, queue=queue, engine=pool, task=SimTask(work), group_size=4, max_staleness=1,
+                               admit_timeout=0.05)
+    stop, errors, consumed, newest, seen = threading.Event(), [], [], 0, []
+    threads_before = threading.active_count()
 
     def run():
         try:
@@ -239,8 +259,13 @@ def test_an_sglang_producer_feeds_the_queue_within_budget_with_exact_versions_an
         except BaseException as exc:
             errors.append(exc)
 
-    worker = threading.Thread(target=run)
-    worker.start()
+    def watch():  # samples in flight and threads alive, while the producer runs
+        while not stop.is_set():
+            seen.append((pool.active, threading.active_count() - threads_before))
+            time.sleep(0.002)
+
+    worker, watcher = threading.Thread(target=run), threading.Thread(target=watch)
+    worker.start(), watcher.start()
     try:
         for version in range(1, 7):  # a trainer: take a step's groups, move the version, publish
             got = queue.get(timeout=30)
@@ -255,14 +280,16 @@ def test_an_sglang_producer_feeds_the_queue_within_budget_with_exact_versions_an
     finally:
         stop.set()
         worker.join(timeout=60)
-        for s in servers:
-            s.stop()
+        watcher.join()
+        pool.close()
     assert not errors and not worker.is_alive()
+    busiest, threads = max(seen)
+    assert busiest >= 8 and threads <= 6  # many samples in flight, a handful of threads (no thread per sample)
     assert newest >= 4  # tokens of trained groups came from weights published during the run
-    assert producer.stats["weight_updates"] >= 3 and all(e.stats["updates"] >= 3 for e in producer.pool.engines)
+    assert producer.stats["weight_updates"] >= 3 and all(e.stats["updates"] >= 3 for e in engines)
     # the versions held, for summary.json's "producers held different versions" (it reported none before)
-    held = [version for _, version in producer.history]
-    assert len(held) == producer.stats["weight_updates"] and held == sorted(set(held)) and held[0] == 0
+    held = [version for _, version in weights.history]
+    assert len(held) >= producer.stats["weight_updates"] and held == sorted(set(held)) and held[0] == 0
     assert sorted(p.name for p in (tmp_path / "w").iterdir())[-1] >= "v00000003"  # written, old ones pruned
     assert len(list((tmp_path / "w").iterdir())) <= 2
     status = queue.status()
@@ -271,10 +298,11 @@ def test_an_sglang_producer_feeds_the_queue_within_budget_with_exact_versions_an
     assert len(ids) == len(set(ids)) == 12
     prompts = [p for _, p in consumed] + [g.prompt_id for g in queue.queued_groups()] + queue.returned_prompts()
     assert sorted(prompts) == list(range(status["prompt_cursor"]))  # every prompt exactly once
+    assert not any(s.alive() for s in servers)  # closing the pool stopped its servers
 
 
-def test_a_server_that_dies_during_a_weight_update_is_restarted_and_gets_that_version(server, weights_dir):
-    engine = SglangEngine(SglangClient(server.url), server=server)
+def test_a_server_that_dies_during_a_weight_update_is_restarted_and_gets_that_version(io, server, weights_dir):
+    engine = SglangEngine(SglangClient(server.url), io, server=server)
     first = []
 
     def load_after_a_crash(client):  # the server dies while the weights load
@@ -286,7 +314,7 @@ def test_a_server_that_dies_during_a_weight_update_is_restarted_and_gets_that_ve
 
     engine.update_weights(5, load_after_a_crash)
     assert server.restarts == 1 and engine.version == 5
-    assert set(engine.sample([1], max_new_tokens=3).versions) == {5}
+    assert set(sample(engine, [1], max_new_tokens=3).versions) == {5}
 
 
 def test_a_server_whose_guard_is_killed_outright_ends_too(server):
@@ -321,20 +349,22 @@ def server_digest(server: ServerProcess) -> str:
     return SglangClient(server.url).call("/fake/weights_digest", method="GET")["digest"]
 
 
-def test_weights_broadcast_to_each_server_through_its_own_group_arrive_exactly():
+def test_weights_broadcast_to_each_server_through_its_own_group_arrive_exactly(io):
     from streamrl.weights.broadcast import UpdateGroups, distributed_loader, plan_buckets
 
     servers = [start_fake("--update-delay-s", "0.0") for _ in range(2)]
     groups = UpdateGroups(timeout_s=30)
     try:
-        pool = EnginePool([SglangEngine(SglangClient(s.url), server=s) for s in servers])
+        engines = [SglangEngine(SglangClient(s.url), io, server=s) for s in servers]
         for version in (1, 2):
             arrays = mixed_weights(version)
             assert len(plan_buckets(arrays, 2560)) == 3  # the big tensor alone, the rest in two
-            pool.update_weights(version, distributed_loader(groups, arrays, bucket_bytes=2560))
+            load = distributed_loader(groups, arrays, bucket_bytes=2560)
+            for engine in engines:
+                engine.update_weights(version, load)
             assert [server_digest(s) for s in servers] == [arrays_digest(arrays)] * 2
-            assert [e.version for e in pool.engines] == [version, version]
-            assert {tuple(e.sample([1], max_new_tokens=3).versions) for e in pool.engines} == {(version,) * 3}
+            assert [e.version for e in engines] == [version, version]
+            assert {tuple(sample(e, [1], max_new_tokens=3).versions) for e in engines} == {(version,) * 3}
         assert groups.opened == 2  # one group per server, kept across versions
         inits = [c["body"] for s in servers for c in calls(s) if c["path"] == "/init_weights_update_group"]
         assert len(inits) == 2 and inits[0]["group_name"] != inits[1]["group_name"]
@@ -351,18 +381,20 @@ def test_weights_broadcast_to_each_server_through_its_own_group_arrive_exactly()
             s.stop()
 
 
-def test_weights_by_tensor_handle_reach_each_server_exactly():
+def test_weights_by_tensor_handle_reach_each_server_exactly(io):
     """`/update_weights_from_tensor` in sglang's serialised form (base64 of a pickle of (name, tensor)
     pairs; here CPU tensors, on GPUs CUDA IPC handles), one copy per server TP rank, in buckets."""
     servers = [start_fake("--update-delay-s", "0.0") for _ in range(2)]
     try:
-        pool = EnginePool([SglangEngine(SglangClient(s.url), server=s) for s in servers])
+        engines = [SglangEngine(SglangClient(s.url), io, server=s) for s in servers]
         for version in (1, 2):
             arrays = mixed_weights(version)
-            pool.update_weights(version, tensor_loader(arrays, bucket_bytes=2560, tensor_parallel=2))
+            load = tensor_loader(arrays, bucket_bytes=2560, tensor_parallel=2)
+            for engine in engines:
+                engine.update_weights(version, load)
             assert [server_digest(s) for s in servers] == [arrays_digest(arrays)] * 2
-            assert [e.version for e in pool.engines] == [version, version]
-            assert {tuple(e.sample([1], max_new_tokens=3).versions) for e in pool.engines} == {(version,) * 3}
+            assert [e.version for e in engines] == [version, version]
+            assert {tuple(sample(e, [1], max_new_tokens=3).versions) for e in engines} == {(version,) * 3}
         for server in servers:
             posts = [c["body"] for c in calls(server) if c["path"] == "/update_weights_from_tensor"]
             assert len(posts) == 6 and all(len(p["serialized_named_tensors"]) == 2 for p in posts)  # TP = 2
@@ -432,11 +464,11 @@ def test_a_sender_refuses_a_group_name_twice_and_closes_a_dead_producers_groups_
     assert sender.close_groups("") == 0
 
 
-def test_a_restarted_server_gets_a_new_group_and_then_the_next_version(server):
+def test_a_restarted_server_gets_a_new_group_and_then_the_next_version(io, server):
     from streamrl.weights.broadcast import UpdateGroups, distributed_loader
 
     groups = UpdateGroups(timeout_s=30, generation=lambda client: server.restarts)
-    engine = SglangEngine(SglangClient(server.url), server=server)
+    engine = SglangEngine(SglangClient(server.url), io, server=server)
     try:
         engine.update_weights(1, distributed_loader(groups, mixed_weights(1), 2560))
         os.killpg(os.getpgid(server.process.pid), signal.SIGKILL)
@@ -445,7 +477,7 @@ def test_a_restarted_server_gets_a_new_group_and_then_the_next_version(server):
         engine.update_weights(2, distributed_loader(groups, mixed_weights(2), 2560))
         assert server.restarts == 1 and groups.opened == 2 and engine.version == 2
         assert server_digest(server) == arrays_digest(mixed_weights(2))
-        assert set(engine.sample([1], max_new_tokens=3).versions) == {2}
+        assert set(sample(engine, [1], max_new_tokens=3).versions) == {2}
         sequence = [c["path"] for c in calls(server) if "weight" in c["path"]]
         assert sequence == ["/init_weights_update_group"] + ["/update_weights_from_distributed"] * 3 + [
             "/update_weight_version"] + ["/update_weights_from_distributed"] * 3 + ["/update_weight_version"]

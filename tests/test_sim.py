@@ -1,4 +1,5 @@
-"""The simulated workload, its engine, and the continuous-batching producer driving the real queue."""
+"""The simulated workload, its engine, the one producer driving the real queue over it, and the
+simulator as a backend of `streamrl launch`."""
 
 import threading
 import time
@@ -9,10 +10,10 @@ import pytest
 from streamrl.buffer import QueueConfig, ReplayQueue, validate_batch
 from streamrl.buffer.queue import assemble
 from streamrl.buffer.schema import LENGTH, STOP
-from streamrl.rollout.continuous import ContinuousProducer
-from streamrl.sim.engine import SimEngine
+from streamrl.engine.local_weights import LocalWeights
+from streamrl.rollout import RolloutProducer
+from streamrl.sim.engine import SimEngine, weights_module
 from streamrl.sim.learner import SimLearner
-from streamrl.sim.pipeline import Schedule, SimPool, generation_alone, measure_schedule, training_alone
 from streamrl.sim.task import SimTask
 from streamrl.sim.workload import SimWorkload
 from streamrl.weights.receiver import WeightReceiver
@@ -49,7 +50,8 @@ def test_engine_stamps_each_token_with_the_version_of_its_step_and_sleeps_the_mo
         engine.add(8, [1] * 6, 5)
     done, step = [], 0
     while engine.active:
-        done += engine.step(version=step // 5)
+        engine.weights.version = step // 5  # what a weight switch does between steps
+        done += engine.step()
         step += 1
     assert slept[0] == pytest.approx(6 * FAST.prefill_per_token_s + FAST.decode_step_s(4))
     assert sorted(s.index for s in done) == [0, 1, 2, 3] and {s.key for s in done} == {7}
@@ -60,17 +62,15 @@ def test_engine_stamps_each_token_with_the_version_of_its_step_and_sleeps_the_mo
     assert step == max(len(s.tokens) for s in done)
 
 
-def make_producer(queue, registry, work=FAST, producer_id=0):
-    engine = SimEngine(work, seed=producer_id)
-    receiver = WeightReceiver(lambda have, timeout: registry.acquire(producer_id, have, timeout),
-                              standby=SimEngine(work).model)
-    receiver.fetch_now()
-    receiver.start()
-    return ContinuousProducer(producer_id, queue=queue, receiver=receiver, engine=engine, task=SimTask(work),
-                              group_size=work.group_size, admit_timeout=0.02)
+def make_producer(queue, registry, work=FAST, producer_id=0, max_staleness=None):
+    receiver = WeightReceiver(lambda have, timeout: registry.acquire(producer_id, have, timeout), poll_s=0.05,
+                              standby=weights_module(work))
+    engine = SimEngine(work, LocalWeights(weights_module(work), receiver), seed=producer_id)
+    return RolloutProducer(producer_id, queue=queue, engine=engine, task=SimTask(work), group_size=work.group_size,
+                           max_staleness=max_staleness, admit_timeout=0.02)
 
 
-def test_continuous_producer_feeds_a_trainer_within_the_budget_and_loses_nothing():
+def test_the_producer_feeds_a_trainer_within_the_budget_and_loses_nothing():
     eta = 1
     queue = ReplayQueue(QueueConfig(group_size=4, groups_per_step=4, max_staleness=eta, max_in_flight=16))
     registry = WeightRegistry()
@@ -105,10 +105,8 @@ def test_continuous_producer_feeds_a_trainer_within_the_budget_and_loses_nothing
         stop.set()
         for t in threads:
             t.join(timeout=30)
-        for p in producers:
-            p.receiver.stop()
     assert not errors
-    assert max(p.receiver.version for p in producers) >= 10  # weights really streamed mid-generation
+    assert max(p.engine.weights.version for p in producers) >= 10  # weights really streamed mid-generation
     assert all(p.stats["weight_updates"] > 0 for p in producers)
     status = queue.status()
     assert status["running"] == 0  # the producers gave back what they had not finished
@@ -133,41 +131,34 @@ def test_a_failed_commit_gives_the_groups_back_and_stops_the_producer():
     producer = make_producer(Refusing(), registry)
     with pytest.raises(ConnectionError, match="unreachable"):
         producer.run(threading.Event())
-    producer.receiver.stop()
     status = queue.status()
     assert status["running"] == 0 and status["committed"] == 0
     assert status["abandoned"] == status["admitted"] > 0
 
 
-@pytest.fixture(scope="module")
-def sim_pool(ray_local):
-    pool = SimPool()
-    yield pool
-    pool.close()
-
-
-TINY = SimWorkload(producers=2, sequences_per_producer=8, group_size=4, groups_per_step=4, prompt_tokens=8,
-                   median_tokens=16, p99_ratio=4, max_tokens=64, weights_mb=0.05, time_scale=0.02, vocab_size=64)
-
-
 @pytest.mark.ray
-@pytest.mark.parametrize("schedule", [Schedule("sync", 0), Schedule("one_step", 1, "per_step"), Schedule("async", 2)],
-                         ids=lambda s: s.name)
-def test_each_schedule_runs_through_the_real_actors_within_its_budget(sim_pool, schedule):
-    r = measure_schedule(sim_pool, TINY, schedule, warmup_steps=2, min_steps=4, window_s=0.5, max_s=60)
-    assert r["steps_measured"] >= 4 and r["tokens_per_s"] > 0 and r["samples_per_s"] > 0
-    assert r["staleness"]["max"] <= schedule.max_staleness
-    assert sum(r["staleness"]["histogram"].values()) == r["steps_measured"] * TINY.groups_per_step
-    assert 0 < r["trainer_busy"] <= 1 and 0 < r["producer_busy"] <= 1
-    assert r["stall_per_update_s"]["count"] > 0  # the producers switched weights while generating
+@pytest.mark.parametrize("eta, admission", [(0, "continuous"), (1, "per_step"), (3, "continuous")])
+def test_the_simulator_runs_through_streamrl_launch_within_its_budget(ray_local, tmp_path, eta, admission):
+    """`producers.engine = trainer.backend = task.kind = "sim"`: the same driver, actors, queue and stop
+    path as a user's run, with the model's arithmetic replaced by the timing model."""
+    from streamrl.runtime.launch import launch, prepare
 
-
-@pytest.mark.ray
-def test_generation_and_training_alone_measure_positive_rates(sim_pool):
-    gen = generation_alone(sim_pool, TINY, warmup_s=0.5, window_s=1.0)
-    train = training_alone(sim_pool, TINY, steps=3)
-    assert gen["tokens_per_s"] > 0 and 0 < gen["producer_busy"] <= 1
-    assert train["tokens_per_s"] > 0 and 0 < train["trainer_busy"] <= 1
+    sets = ["producers.engine=sim", "trainer.backend=sim", "task.kind=sim", "producers.count=2",
+            "producers.num_cpus=0.25", "trainer.num_cpus=0.5", "queue.group_size=4", "queue.groups_per_step=4",
+            "queue.max_in_flight=16", f"queue.max_staleness={eta}", f"queue.admission={admission}", "run.steps=8",
+            "run.eval_every=0", "run.checkpoint_every=4", "run.time_limit_s=null", "logging.progress=none",
+            f"run.output_dir={str(tmp_path)!r}", "run.name=sim", "sim.sequences_per_producer=8",
+            "sim.prompt_tokens=8", "sim.median_tokens=16", "sim.p99_ratio=4", "sim.max_tokens=64",
+            "sim.weights_mb=0.05", "sim.time_scale=0.02", "sim.vocab_size=64"]
+    config, run_dir, _ = prepare(None, sets)
+    summary = launch(config, run_dir)
+    metrics = run_dir.read("metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 9)) and summary["staleness_max"] <= eta
+    assert all(m["response_tokens"] > 0 and m["train_s"] > 0 for m in metrics)
+    assert len(summary["producers"]) == 2 and all(p["groups"] > 0 and p["engine_s"] > 0 for p in summary["producers"])
+    assert summary["eval_accuracy_last"] is None  # nothing is learned, nothing evaluated
+    assert (run_dir.latest_checkpoint() / "trainer" / "trainer.json").is_file()
+    assert not (run_dir.path / "model").exists()  # the simulator builds no model
 
 
 def test_groups_that_can_no_longer_be_trained_in_budget_are_stopped_and_given_back():
@@ -177,8 +168,7 @@ def test_groups_that_can_no_longer_be_trained_in_budget_are_stopped_and_given_ba
     registry = WeightRegistry()
     learner = SimLearner(long)
     registry.publish(0, learner.weights())
-    producer = make_producer(queue, registry, work=long)
-    producer.max_staleness = 1
+    producer = make_producer(queue, registry, work=long, max_staleness=1)
     stop = threading.Event()
     thread = threading.Thread(target=producer.run, args=(stop,))
     thread.start()
@@ -195,7 +185,6 @@ def test_groups_that_can_no_longer_be_trained_in_budget_are_stopped_and_given_ba
     finally:
         stop.set()
         thread.join(timeout=30)
-        producer.receiver.stop()
     assert producer.stats["aborted_groups"] == len(first) == 2  # version 0 groups, 2 > η versions old
     assert all(queue.ticket_state(t) == "abandoned" for t in first)
     assert queue.status()["committed"] == 0  # nothing was finished only to be thrown away

@@ -1,19 +1,24 @@
 """The replay queue as a named Ray actor.
 
 ```
- producer ──commit(batch)──► QueueActor: validate (zero-copy view of the argument)
-                                         ray.put(batch) ─► object owned by the queue actor
-                                         keeps the reference + metadata, never the bytes
+ producer: batch into its Outbox ──commit_from(producer, key)──► QueueActor
+                                   ◄──── producer.take_batch(key) ──┘  the return value: one copy in the
+ QueueActor: validate (zero-copy view) ─► keep the reference + metadata    object store, owned by the queue
  trainer  ──get(B)────────► TrainGroups whose payloads are references ─► ray.get, zero-copy slices
 ```
-The actor puts each accepted batch itself, because an object belongs to the process that created
-it: a batch the producer had `ray.put` would be lost with the producer. Blocking calls (`admit` with
-a timeout, `get`) run on the actor's thread pool, so they never hold up other callers.
+An object belongs to the process that created the reference, and dies with it: a batch the producer
+`ray.put` (or passed as an argument) would be lost with the producer. The queue owns what its own calls
+return, so it asks the producer for each batch: the bytes are written to the object store once and
+survive the producer (a commit by argument, `commit`, wrote them twice: the argument, then the queue's
+own `ray.put`). Blocking calls (`admit` with a timeout, `get`, `commit_from`) run on the actor's thread
+pool, so they never hold up other callers.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +50,14 @@ class QueueActor:
                                 lease=lease)
 
     def commit(self, batch: pa.RecordBatch | pa.Table) -> list[int]:
+        """A batch passed by value (tests, tools): copied again into an object this actor owns."""
         return self.queue.commit(batch, to_payload=ray.put)
+
+    def commit_from(self, producer: ray.actor.ActorHandle, key: int) -> list[int]:
+        """Commit the batch `producer` holds under `key` in its Outbox: fetched as the return value of
+        this actor's own call, so it is stored once and owned here."""
+        ref = producer.take_batch.remote(key)
+        return self.queue.commit(ray.get(ref), to_payload=lambda _batch: ref)
 
     def abandon(self, ticket_ids: list[int]) -> None:
         self.queue.abandon(ticket_ids)
@@ -79,6 +91,32 @@ class QueueActor:
 
     def checkpoint(self, directory: str) -> str:
         return str(save_queue(self.queue, Path(directory), fetch=ray.get))
+
+
+class Outbox:
+    """A producer's finished batches until the queue actor takes them (`QueueActor.commit_from`, which
+    calls the producer's `take_batch(key)`). Thread-safe: the commit thread puts, an actor call takes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._batches: dict[int, pa.RecordBatch] = {}
+        self._keys = itertools.count()
+
+    def put(self, batch: pa.RecordBatch) -> int:
+        with self._lock:
+            key = next(self._keys)
+            self._batches[key] = batch
+            return key
+
+    def take(self, key: int) -> pa.RecordBatch:
+        with self._lock:
+            if key not in self._batches:
+                raise KeyError(f"no batch {key} is waiting to be committed (taken already, or dropped)")
+            return self._batches.pop(key)
+
+    def drop(self, key: int) -> None:
+        with self._lock:
+            self._batches.pop(key, None)
 
 
 def create_queue_actor(run_name: str, config: QueueConfig, restore_from: str | None = None,

@@ -1,3 +1,4 @@
-"""Inference engines that generate rollouts: the built-in torch KV-cache sampler
-(`streamrl.engine.sampler`, CPU and GPU) and the flat result they share (`streamrl.engine.generation`).
-Nothing is imported here, so a process that needs only `Generation` does not load torch."""
+"""Inference engines behind one interface (`streamrl.engine.base`): the built-in torch engine with
+continuous batching (`torch_engine`, CPU and GPU), sglang servers (`sglang`), and the simulator's timing
+model (`streamrl.sim.engine`). Nothing is imported here, so a process that needs only the sample types
+does not load torch."""

@@ -1,5 +1,5 @@
-"""Rollout producers: admit slots, generate groups, score them, pack Arrow batches, commit."""
+"""The rollout producer: admit slots, run groups through an engine, score them, pack Arrow batches, commit."""
 
-from streamrl.rollout.producer import QueueClient, RolloutProducer, pack_groups
+from streamrl.rollout.producer import QueueClient, RolloutProducer, commit_or_give_back, pack_groups
 
-__all__ = ["QueueClient", "RolloutProducer", "pack_groups"]
+__all__ = ["QueueClient", "RolloutProducer", "commit_or_give_back", "pack_groups"]

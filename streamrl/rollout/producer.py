@@ -1,34 +1,39 @@
-"""A rollout producer: the loop every engine runs, with no Ray in it.
+"""The rollout producer: one loop over any engine (torch, sglang, sim), with no Ray in it.
 
 ```
- admit(up to groups_per_batch slots, weights version held) ──► tickets (prompt ids from the queue's cursor)
-   └─ none: paused / in-flight / capacity / staleness ─► retry;  stale_weights ─► wait for newer weights
- sampler: G samples per prompt, weights refreshed at every decode-step boundary
- task.reward per sample ─► pack one Arrow batch (one row per sample, groups adjacent) ─► commit
-   └─ generation, scoring or commit failed ─► abandon the tickets (their prompts are generated again), re-raise
+ admit thread:   free slots ≥ G ─► queue.admit(free // G, weights version the engine holds) ─► tickets
+                   └─ none: paused / in-flight / capacity / staleness ─► retry;  stale_weights ─► wait for newer
+ decode loop:    newer weights? switch (the stall is measured) ─► admitted groups join the engine ─► step
+                   └─ a group's G samples all ended ─► rewards ─► Arrow batch ─► commit queue
+ commit thread:  queue.commit(batch)  (refused: the tickets are given back; an error is re-raised in the loop)
+ newer weights:  groups now certain to exceed the staleness budget are stopped and given back
+ stop:           batches already made are committed; running and admitted groups are given back
 ```
-The prompt cursor lives in the queue and advances only by admission; a group that is never
-committed gives its prompt back, so nothing is skipped and nothing is generated twice for training.
+A slot frees as soon as one sequence ends, so a long response holds one slot, not a whole batch: the
+long tail costs throughput only through the staleness budget, not through idle slots. Admission and
+commits run on their own threads, so no Ray call holds up a decode step. The prompt cursor lives in
+the queue and advances only by admission; a group that is never committed gives its prompt back, so
+nothing is skipped and nothing is generated twice for training.
 """
 
 from __future__ import annotations
 
+import queue as stdlib_queue
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
 
 from streamrl import failpoints
-from streamrl.buffer.queue import Admission, Ticket, TicketExpired
+from streamrl.buffer.queue import Admission, QueueClosed, Ticket, TicketExpired
 from streamrl.buffer.schema import build_batch
+from streamrl.engine.base import Engine, Sample, to_generation
 from streamrl.engine.generation import Generation
 from streamrl.tasks import Task
-from streamrl.weights.receiver import WeightReceiver
-
-if TYPE_CHECKING:
-    from streamrl.engine.sampler import TorchSampler
 
 
 class QueueClient(Protocol):
@@ -60,12 +65,12 @@ def commit_or_give_back(queue: QueueClient, batch: pa.RecordBatch, ticket_ids: l
 def pack_groups(tickets: Sequence[Ticket], prompts: Sequence[Sequence[int]], generation: Generation,
                 rewards: np.ndarray, *, group_size: int, producer_id: int, t_start: float,
                 t_end: float) -> pa.RecordBatch:
-    """One Arrow batch: row r is sample r % G of ticket r // G (the sampler's row order)."""
-    rows = len(tickets) * group_size
+    """One Arrow batch from whole groups: row r is sample r % G of ticket r // G."""
+    n_rows = len(tickets) * group_size
     prompt_lengths = np.repeat([len(p) for p in prompts], group_size)
-    prompt_offsets = np.zeros(rows + 1, dtype=np.int64)
+    prompt_offsets = np.zeros(n_rows + 1, dtype=np.int64)
     np.cumsum(prompt_lengths, out=prompt_offsets[1:])
-    prompt_tokens = np.concatenate([np.tile(np.asarray(p, dtype=np.int32), group_size) for p in prompts])
+    prompt_tokens = np.concatenate([np.asarray(p, dtype=np.int32) for p in prompts for _ in range(group_size)])
     return build_batch(
         group_id=np.repeat([t.ticket_id for t in tickets], group_size),
         prompt_id=np.repeat([t.prompt_id for t in tickets], group_size),
@@ -84,58 +89,213 @@ def pack_groups(tickets: Sequence[Ticket], prompts: Sequence[Sequence[int]], gen
     )
 
 
+class _Group:
+    def __init__(self, ticket: Ticket, prompt: list[int], started: float, first_version: int):
+        self.ticket, self.prompt, self.started = ticket, prompt, started
+        self.first_version = first_version  # the weights its first tokens come from: the group's behaviour version
+        self.samples: dict[int, Sample] = {}
+
+
 class RolloutProducer:
-    def __init__(self, producer_id: int, *, queue: QueueClient, receiver: WeightReceiver, sampler: TorchSampler,
-                 task: Task, group_size: int, groups_per_batch: int):
+    def __init__(self, producer_id: int, *, queue: QueueClient, engine: Engine, task: Task, group_size: int,
+                 max_staleness: int | None = None, admit_timeout: float = 0.2):
+        if engine.capacity < group_size:
+            raise ValueError(f"engine capacity {engine.capacity} cannot hold one group of {group_size}")
         self.producer_id = producer_id
-        self.queue, self.receiver, self.sampler, self.task = queue, receiver, sampler, task
-        self.group_size, self.groups_per_batch = group_size, groups_per_batch
-        self.stats = {"groups": 0, "samples": 0, "generated_tokens": 0, "generate_s": 0.0, "idle_s": 0.0,
-                      "expired_groups": 0}
+        self.queue, self.engine, self.task = queue, engine, task
+        self.group_size, self.admit_timeout = group_size, admit_timeout
+        self.max_staleness = max_staleness  # None: never stop a group for its age
+        self._cond = threading.Condition()
+        self._admitted: deque[Ticket] = deque()  # admitted, not yet in the engine
+        self._groups: dict[int, _Group] = {}  # in the engine, by ticket id
+        self._commits: stdlib_queue.Queue[tuple[list[int], pa.RecordBatch | None] | None] = stdlib_queue.Queue()
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        # busy_slot_s: Σ active sequences × step time; engine_s: Σ step time (the engine computing)
+        self.stats = {"groups": 0, "samples": 0, "generated_tokens": 0, "decode_steps": 0, "busy_slot_s": 0.0,
+                      "engine_s": 0.0, "run_s": 0.0, "weight_updates": 0, "aborted_groups": 0, "expired_groups": 0,
+                      "lost_groups": 0}
+        self.stalls: list[float] = []  # seconds each weight switch held up the decode loop
         self.last_blocked_by: str | None = None
 
-    def refresh(self) -> int:
-        """The decode-step boundary hook: switch to staged weights, return the version now in use."""
-        self.sampler.model, version = self.receiver.apply(self.sampler.model)
-        return version
-
-    def run_once(self, timeout: float = 0.5) -> int:
-        """One admit → generate → commit cycle; the number of groups committed (0 when not admitted)."""
-        version = self.refresh()
-        waited = time.perf_counter()
-        admission = self.queue.admit(self.producer_id, self.groups_per_batch, weights_version=version,
-                                     timeout=timeout)
-        self.last_blocked_by = admission.blocked_by
-        if not admission.tickets:
-            if admission.blocked_by == "stale_weights":
-                self.receiver.wait_newer(version, timeout)
-            self.stats["idle_s"] += time.perf_counter() - waited
-            return 0
-        self.stats["idle_s"] += time.perf_counter() - waited
-        tickets = admission.tickets
-        ticket_ids = [t.ticket_id for t in tickets]
+    # ---- the decode loop -----------------------------------------------------------------------------
+    def run(self, stop: threading.Event, first_weights_timeout: float = 120.0) -> None:
+        """Generate until `stop` is set or a background call fails (its error is raised here). Weights
+        are followed from the first published version on (waited for up to `first_weights_timeout`)."""
+        weights = self.engine.weights
+        weights.start()
         try:
-            failpoints.hit("producer.generate")
-            batch = self.generate(tickets)
-        except BaseException:
-            self.queue.abandon(ticket_ids)  # the prompts go back; the error propagates
-            raise
-        if not commit_or_give_back(self.queue, batch, ticket_ids):
-            self.stats["expired_groups"] += len(tickets)
-            return 0
-        failpoints.hit("producer.after_commit")  # committed: its tickets are the queue's now
-        self.stats["groups"] += len(tickets)
-        return len(tickets)
+            if weights.version is None and not weights.wait_newer(None, first_weights_timeout):
+                raise TimeoutError(f"no weights were published within {first_weights_timeout:g} s")
+            self._generate(stop)
+        finally:
+            weights.stop()
 
-    def generate(self, tickets: Sequence[Ticket]) -> pa.RecordBatch:
-        t_start = time.time()
+    def _generate(self, stop: threading.Event) -> None:
         started = time.perf_counter()
-        prompts = [self.task.prompt(t.prompt_id) for t in tickets]
-        generation = self.sampler.generate(prompts, self.refresh, samples_per_prompt=self.group_size)
-        rewards = np.array([self.task.reward(tickets[row // self.group_size].prompt_id, generation.response(row))
-                            for row in range(len(tickets) * self.group_size)], dtype=np.float32)
-        self.stats["generate_s"] += time.perf_counter() - started
-        self.stats["samples"] += len(rewards)
-        self.stats["generated_tokens"] += len(generation.tokens)
-        return pack_groups(tickets, prompts, generation, rewards, group_size=self.group_size,
-                           producer_id=self.producer_id, t_start=t_start, t_end=time.time())
+        self._refresh()  # the first version into use before the admit thread reports what it holds
+        threads = [threading.Thread(target=self._admit_loop, name="admit", daemon=True),
+                   threading.Thread(target=self._commit_loop, name="commit", daemon=True)]
+        self._done.clear()
+        for thread in threads:
+            thread.start()
+        try:
+            while not stop.is_set():
+                self._raise_background_error()
+                self._refresh()
+                self._start_admitted()
+                if self.engine.active == 0:
+                    with self._cond:
+                        self._cond.wait_for(lambda: self._admitted or self._error is not None or stop.is_set(),
+                                            timeout=0.05)
+                    continue
+                self._decode()
+        finally:
+            self._shutdown(threads)
+            self.stats["run_s"] += time.perf_counter() - started
+        self._raise_background_error()
+
+    def _refresh(self) -> None:
+        stall = self.engine.weights.refresh()
+        if stall is None:
+            return
+        self.stalls.append(stall)
+        self.stats["weight_updates"] += 1
+        self._abort_doomed(self.engine.weights.version)
+
+    def _abort_doomed(self, version: int) -> None:
+        """Stop groups that can no longer be trained within the staleness budget. The trainer is at
+        least at `version`, so a group whose first tokens are more than η older would be regenerated
+        at commit anyway: stopping now frees its slots for work that will be trained."""
+        if self.max_staleness is None:
+            return
+        doomed = [key for key, g in self._groups.items() if version - g.first_version > self.max_staleness]
+        for key in doomed:
+            self.engine.cancel(key)
+            del self._groups[key]
+        if doomed:
+            self.stats["aborted_groups"] += len(doomed)
+            self._commits.put((doomed, None))  # the commit thread gives the prompts back
+
+    def _start_admitted(self) -> None:
+        if not self._admitted:
+            return
+        failpoints.hit("producer.generate")  # groups are running in the engine (their tickets held here)
+        version = self.engine.weights.version
+        with self._cond:  # from `_admitted` into the engine in one move: the admit thread counts both
+            while self._admitted:
+                ticket = self._admitted.popleft()
+                prompt = self.task.prompt(ticket.prompt_id)
+                self._groups[ticket.ticket_id] = _Group(ticket, prompt, time.time(), version)
+                self.engine.add(ticket.ticket_id, prompt, self.group_size)
+
+    def _decode(self) -> None:
+        active = self.engine.active
+        finished = self.engine.step()
+        self.stats["busy_slot_s"] += active * self.engine.last_step_s
+        self.stats["engine_s"] += self.engine.last_step_s
+        self.stats["decode_steps"] += 1
+        self.stats["generated_tokens"] = self.engine.generated_tokens
+        lost = [key for key in self.engine.lost() if self._groups.pop(key, None) is not None]
+        if lost:  # a server died under them: the prompts go back
+            self.stats["lost_groups"] += len(lost)
+            self._commits.put((lost, None))
+        done = []
+        for sample in finished:
+            group = self._groups.get(sample.key)
+            if group is None:
+                continue  # stopped or lost while its last request was in flight
+            group.samples[sample.index] = sample
+            if len(group.samples) == self.group_size:
+                done.append(self._groups.pop(sample.key))
+        if finished:
+            with self._cond:
+                self._cond.notify_all()  # slots opened for the admit thread
+        if done:
+            ticket_ids = [g.ticket.ticket_id for g in done]
+            try:
+                batch = self._pack(done)
+            except BaseException:  # scoring failed: the commit thread gives the prompts back
+                self._commits.put((ticket_ids, None))
+                raise
+            self._commits.put((ticket_ids, batch))
+
+    def _pack(self, groups: list[_Group]) -> pa.RecordBatch:
+        samples = [g.samples[i] for g in groups for i in range(self.group_size)]
+        generation = to_generation(samples)
+        rewards = np.array([self.task.reward(groups[row // self.group_size].ticket.prompt_id, generation.response(row))
+                            for row in range(len(samples))], dtype=np.float32)
+        self.stats["samples"] += len(samples)
+        return pack_groups([g.ticket for g in groups], [g.prompt for g in groups], generation, rewards,
+                           group_size=self.group_size, producer_id=self.producer_id,
+                           t_start=min(g.started for g in groups), t_end=time.time())
+
+    # ---- the control plane ---------------------------------------------------------------------------
+    def _free_groups(self) -> int:
+        used = self.engine.active + self.group_size * len(self._admitted)
+        return (self.engine.capacity - used) // self.group_size
+
+    def _admit_loop(self) -> None:
+        try:
+            while not self._done.is_set():
+                with self._cond:
+                    if not self._cond.wait_for(lambda: self._free_groups() > 0 or self._done.is_set(), timeout=0.5):
+                        continue
+                    free = self._free_groups()
+                if free <= 0:
+                    continue
+                held = self.engine.weights.version
+                admission = self.queue.admit(self.producer_id, free, weights_version=held,
+                                             timeout=self.admit_timeout)
+                self.last_blocked_by = admission.blocked_by
+                if admission.tickets:
+                    with self._cond:
+                        self._admitted.extend(admission.tickets)
+                        self._cond.notify_all()
+                elif admission.blocked_by == "stale_weights":
+                    self.engine.weights.wait_newer(held, self.admit_timeout)
+        except BaseException as exc:
+            self._fail(exc)
+
+    def _commit_loop(self) -> None:
+        try:
+            while (item := self._commits.get()) is not None:
+                ticket_ids, batch = item
+                if self._error is None and batch is not None:
+                    try:
+                        committed = commit_or_give_back(self.queue, batch, ticket_ids)
+                    except BaseException as exc:
+                        self._fail(exc)  # given back
+                        continue
+                    self.stats["groups" if committed else "expired_groups"] += len(ticket_ids)
+                    if committed:
+                        failpoints.hit("producer.after_commit")  # committed: its tickets are the queue's now
+                    continue
+                self.queue.abandon(ticket_ids)  # not committed: the prompts go back
+        except BaseException as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = exc
+            self._cond.notify_all()
+
+    def _raise_background_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _shutdown(self, threads: list[threading.Thread]) -> None:
+        """Commit what is finished, give back what is not, and stop the threads."""
+        self._done.set()
+        with self._cond:
+            self._cond.notify_all()
+        threads[0].join()  # no admission can land after this
+        self._commits.put(None)
+        threads[1].join()
+        unfinished = [*self._groups, *(t.ticket_id for t in self._admitted)]
+        self.engine.abort()
+        self._groups.clear()
+        self._admitted.clear()
+        if unfinished and not isinstance(self._error, QueueClosed):
+            self.queue.abandon(unfinished)

@@ -12,7 +12,6 @@ restarted driver can find them. Weights cross the object store as numpy arrays.
 
 from __future__ import annotations
 
-import copy
 import os
 import threading
 import time
@@ -26,10 +25,9 @@ import pyarrow as pa
 import ray
 
 from streamrl import failpoints
-from streamrl.buffer.actor import NAMESPACE, fetch_table, get_queue_actor
+from streamrl.buffer.actor import NAMESPACE, Outbox, fetch_table, get_queue_actor
 from streamrl.buffer.queue import Admission, QueueClosed
 from streamrl.config import RunConfig
-from streamrl.weights.receiver import WeightReceiver
 
 
 def actor_name(run_name: str, role: str) -> str:
@@ -37,13 +35,16 @@ def actor_name(run_name: str, role: str) -> str:
 
 
 class RemoteQueue:
-    """`streamrl.rollout.QueueClient` over the queue actor, for one producer: it registers for a lease
-    that every admission carries, so that once the driver declares this producer dead (and gives its
-    tickets back), an admission it had already sent cannot issue new ones."""
+    """`streamrl.rollout.QueueClient` over the queue actor, for one producer actor: it registers for a
+    lease that every admission carries, so that once the driver declares this producer dead (and gives
+    its tickets back), an admission it had already sent cannot issue new ones. A commit leaves the batch
+    in the `outbox` and the queue fetches it from this actor (`take_batch`): one copy, owned by the queue."""
 
     def __init__(self, handle: ray.actor.ActorHandle, producer_id: int):
         self.handle, self.producer_id = handle, producer_id
         self.lease = ray.get(handle.register_producer.remote(producer_id))
+        self.outbox = Outbox()
+        self._me = ray.get_runtime_context().current_actor  # the producer actor this client lives in
 
     def admit(self, producer_id: int, max_groups: int, *, weights_version: int | None = None,
               timeout: float = 0.0) -> Admission:
@@ -52,68 +53,14 @@ class RemoteQueue:
         return ray.get(self.handle.admit.remote(producer_id, max_groups, weights_version, timeout, self.lease))
 
     def commit(self, batch: pa.RecordBatch) -> list[int]:
-        return ray.get(self.handle.commit.remote(batch))
+        key = self.outbox.put(batch)
+        try:
+            return ray.get(self.handle.commit_from.remote(self._me, key))
+        finally:
+            self.outbox.drop(key)  # taken by the queue, or refused: either way not ours to keep
 
     def abandon(self, ticket_ids: list[int]) -> None:
         ray.get(self.handle.abandon.remote(ticket_ids))
-
-
-def remote_fetch(weights: ray.actor.ActorHandle, holder: int, *, by_reference: bool = False):
-    """Newer weights from the weights actor, held by `holder`: their arrays (read-only views of the
-    object store), or with `by_reference` `[object reference]` (`streamrl.weights.arrays.resolve`)."""
-    def fetch(have: int | None, timeout: float) -> tuple[int, Any] | None:
-        got = ray.get(weights.acquire.remote(holder, have, timeout))
-        if got is None:
-            return None
-        version, refs = got
-        return version, refs if by_reference else ray.get(refs[0])
-    return fetch
-
-
-def update_group_prefix(run_name: str, producer_id: int) -> str:
-    """The names of producer `producer_id`'s update groups start with this (a replacement's too)."""
-    return f"streamrl-{run_name}-p{producer_id}-"
-
-
-class RemoteSender:
-    """The trainer actor as rank 0 of the sglang update groups (`streamrl.weights.broadcast.Sender`):
-    the weights go from the trainer's GPU straight to the servers."""
-
-    def __init__(self, trainer: ray.actor.ActorHandle):
-        self.trainer = trainer
-
-    def open_group(self, name: str, world: int, *, server: tuple[str, int], node: str | None,
-                   timeout_s: float) -> tuple[str, int, str]:
-        return tuple(ray.get(self.trainer.open_update_group.remote(name, world, server, node, timeout_s)))
-
-    def joined(self, name: str, timeout_s: float) -> None:
-        ray.get(self.trainer.join_update_group.remote(name, timeout_s))
-
-    def manifest(self, weights: Any) -> dict[str, Any]:
-        return ray.get(self.trainer.weights_manifest.remote(weights))  # the trainer reads its own put
-
-    def broadcast(self, name: str, weights: Any, names: list[str], timeout_s: float) -> None:
-        ray.get(self.trainer.broadcast_weights.remote(name, weights, names, timeout_s))  # weights: [ref]
-
-    def close_group(self, name: str) -> None:
-        ray.get(self.trainer.close_update_group.remote(name), timeout=60)
-
-
-@contextmanager
-def receiving(receiver: WeightReceiver, weights: ray.actor.ActorHandle, holder: int) -> Iterator[None]:
-    """A producer's generating phase: weights arrive in the background from the first published version
-    on; a queue that closes ends the phase normally (the run is over); leaving releases the holder's
-    weights version."""
-    receiver.start()
-    try:
-        if not receiver.wait_newer(None, timeout=120):
-            raise TimeoutError("no weights were published within 120 s")
-        yield
-    except QueueClosed:
-        pass  # the run is ending: the queue closed while this producer waited for a slot or committed
-    finally:
-        receiver.stop()
-        ray.get(weights.drop_holder.remote(holder), timeout=30)
 
 
 def _reward_failures(task: Any) -> dict[str, Any]:
@@ -123,151 +70,65 @@ def _reward_failures(task: Any) -> dict[str, Any]:
 
 
 class ProducerActor:
-    def __init__(self, run_name: str, producer_id: int, config: dict[str, Any], model_dir: str, seed: int,
-                 search_path: str | None = None):
-        import torch
+    """A rollout producer over the engine `producers.engine` names (`streamrl.runtime.engines`)."""
 
-        from streamrl.engine.sampler import TorchSampler
-        from streamrl.models.hf import default_device, load_policy, quiet_transformers
+    def __init__(self, run_name: str, producer_id: int, config: dict[str, Any], model_dir: str, seed: int,
+                 search_path: str | None = None, work_dir: str | None = None):
         from streamrl.rollout.producer import RolloutProducer
-        from streamrl.tasks import make_task
+        from streamrl.runtime.engines import make_engine
 
-        quiet_transformers()
         cfg = RunConfig.model_validate(config)
-        torch.set_num_threads(cfg.producers.threads)
-        model, tokenizer = load_policy(model_dir)
-        model.to(default_device())
-        task = make_task(cfg.task, tokenizer, seed=cfg.run.seed, search_path=search_path)
+        if cfg.producers.engine != "sim":  # the simulator's processes never import transformers
+            from streamrl.models.hf import quiet_transformers
+
+            quiet_transformers()
         self.weights = ray.get_actor(actor_name(run_name, "weights"), namespace=NAMESPACE)
-        standby = copy.deepcopy(model) if cfg.producers.double_buffer else None
-        self.receiver = WeightReceiver(remote_fetch(self.weights, producer_id), poll_s=cfg.producers.weight_poll_s,
-                                       standby=standby)
-        sampler = TorchSampler(model, pad_id=tokenizer.pad_token_id or 0, stop_ids=task.stop_token_ids,
-                               max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens(),
-                               temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, seed=seed)
+        engine, task = make_engine(cfg, run_name=run_name, producer_id=producer_id, model_dir=model_dir, seed=seed,
+                                   weights=self.weights, search_path=search_path, work_dir=work_dir)
         self.producer = RolloutProducer(producer_id, queue=RemoteQueue(get_queue_actor(run_name), producer_id),
-                                        receiver=self.receiver, sampler=sampler, task=task,
-                                        group_size=cfg.queue.group_size,
-                                        groups_per_batch=cfg.producers.groups_per_batch)
+                                        engine=engine, task=task, group_size=cfg.queue.group_size,
+                                        max_staleness=cfg.queue.max_staleness)
         self._stop = threading.Event()
 
     def ready(self) -> int:
         return os.getpid()
 
     def run(self) -> dict[str, Any]:
-        """Generate until `stop()` or until the queue closes; returns the producer's statistics."""
-        with receiving(self.receiver, self.weights, self.producer.producer_id):
-            while not self._stop.is_set():
-                self.producer.run_once(timeout=0.5)
-        return self.status()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def status(self) -> dict[str, Any]:
-        return {"producer_id": self.producer.producer_id, **self.producer.stats, **self.receiver.status(),
-                "blocked_by": self.producer.last_blocked_by, **_reward_failures(self.producer.task)}
-
-    def weight_history(self) -> list[tuple[float, int]]:
-        return list(self.receiver.history)
-
-
-class SglangProducerActor:
-    """A producer driving its own sglang servers (`producers.engine = "sglang"`)."""
-
-    def __init__(self, run_name: str, producer_id: int, config: dict[str, Any], model_dir: str, seed: int,
-                 search_path: str | None = None, weights_dir: str | None = None):
-        from transformers import AutoTokenizer
-
-        from streamrl.engine.sglang.client import SglangClient
-        from streamrl.engine.sglang.engine import EnginePool, SglangEngine
-        from streamrl.engine.sglang.server import ServerProcess, ServerSpec
-        from streamrl.models.hf import quiet_transformers
-        from streamrl.rollout.sglang_producer import SglangProducer, weight_path
-        from streamrl.tasks import make_task
-
-        quiet_transformers()
-        cfg = RunConfig.model_validate(config)
-        sg = cfg.producers.sglang
-        task = make_task(cfg.task, AutoTokenizer.from_pretrained(model_dir), seed=cfg.run.seed, search_path=search_path)
-        self.weights = ray.get_actor(actor_name(run_name, "weights"), namespace=NAMESPACE)
-        self.servers = [ServerProcess(ServerSpec(model_path=model_dir, host=sg.host,
-                                                 port=sg.base_port + producer_id * sg.servers + j,
-                                                 tensor_parallel=sg.tensor_parallel, mem_fraction=sg.mem_fraction,
-                                                 base_gpu_id=j * sg.tensor_parallel, memory_saver=sg.memory_saver,
-                                                 seed=seed + j, extra_args=list(sg.extra_args),
-                                                 launcher=sg.launcher),
-                                      log_dir=weights_dir, startup_timeout_s=sg.startup_timeout_s)
-                        for j in range(sg.servers)]
-        try:
-            for server in self.servers:
-                server.start(wait=False)  # the servers load in parallel
-            for server in self.servers:
-                server.wait_healthy()
-        except BaseException:
-            self._stop_servers()
-            raise
-        pool = EnginePool([SglangEngine(SglangClient(s.url), server=s) for s in self.servers])
-        versions_dir = Path(weights_dir or model_dir) / f"weights-producer-{producer_id}"  # "disk" writes here
-        sender = RemoteSender(ray.get_actor(actor_name(run_name, "trainer"), namespace=NAMESPACE)) \
-            if sg.weights == "distributed" else None
-        loader_for, self.groups = weight_path(sg, self.servers, model_dir=model_dir, directory=versions_dir,
-                                              name=update_group_prefix(run_name, producer_id), sender=sender,
-                                              node=ray.util.get_node_ip_address())
-
-        self.producer = SglangProducer(
-            producer_id, queue=RemoteQueue(get_queue_actor(run_name), producer_id), pool=pool, task=task,
-            group_size=cfg.queue.group_size, max_groups=cfg.producers.groups_per_batch,
-            max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens(),
-            temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-            fetch=remote_fetch(self.weights, producer_id, by_reference=True), loader_for=loader_for,
-            weight_poll_s=cfg.producers.weight_poll_s)
-        self._stop = threading.Event()
-
-    def ready(self) -> int:
-        return os.getpid()
-
-    def run(self) -> dict[str, Any]:
+        """Generate until `stop()` or until the queue closes; returns the producer's statistics. Leaving
+        releases the weights version this producer held."""
         try:
             self.producer.run(self._stop)
         except QueueClosed:
-            pass  # the run is ending
+            pass  # the run is ending: the queue closed while this producer waited for a slot or committed
         finally:
-            for engine in self.producer.pool.engines:
-                engine.closing = True  # requests cut by the stop below are not crashes to recover from
             try:
-                try:
-                    if self.groups is not None:
-                        self.groups.close()
-                finally:
-                    self._stop_servers()
+                self.producer.engine.close()  # sglang: its servers and update groups
             finally:
-                ray.get(self.weights.drop_holder.remote(self.producer.producer_id))
+                ray.get(self.weights.drop_holder.remote(self.producer.producer_id), timeout=30)
         return self.status()
 
     def stop(self) -> None:
         self._stop.set()
 
+    def take_batch(self, key: int) -> pa.RecordBatch:
+        """The queue actor fetching a batch this producer commits (see `RemoteQueue`)."""
+        return self.producer.queue.outbox.take(key)
+
     def status(self) -> dict[str, Any]:
-        engines = [e.stats for e in self.producer.pool.engines]
-        return {"producer_id": self.producer.producer_id, **self.producer.stats,
-                "version": self.producer.pool.version, "restarts": sum(e["restarts"] for e in engines),
-                "continued_samples": sum(e["continued"] for e in engines), "blocked_by": self.producer.last_blocked_by,
-                **_reward_failures(self.producer.task)}
+        engine = self.producer.engine
+        return {"producer_id": self.producer.producer_id, **self.producer.stats, **engine.weights.status(),
+                "capacity": engine.capacity, "stalls": list(self.producer.stalls),
+                "blocked_by": self.producer.last_blocked_by, **_reward_failures(self.producer.task)}
 
     def weight_history(self) -> list[tuple[float, int]]:
-        return list(self.producer.history)
+        return list(self.producer.engine.weights.history)
 
     def release_gpu(self) -> None:
-        """Colocated: hand the GPU to the trainer (servers paused, memory freed)."""
-        self.producer.pool.release()
+        """Colocated (sglang): hand the GPU to the trainer (servers paused, memory freed)."""
+        self.producer.engine.release()
 
     def resume_gpu(self) -> None:
-        self.producer.pool.resume()
-
-    def _stop_servers(self) -> None:
-        for server in self.servers:
-            server.stop()
+        self.producer.engine.resume()
 
 
 class Learner(Protocol):
@@ -332,15 +193,18 @@ class TrainerShell:
             raise RuntimeError(f"the queue is at version {groups.version}, the trainer at {self.trainer.version}")
         waited = time.perf_counter() - started
         table = fetch_table(groups)
+        fetched = time.perf_counter()
         failpoints.hit("trainer.train")
         with self._gpu_turn():
             metrics = {f"token_{k}" if k.startswith("staleness") else k: v
                        for k, v in self.trainer.train(table).items()}
+            trained = time.perf_counter()
             # The queue learns the new version before any producer can hold it: the queue refuses tokens
             # stamped with a version it has not reached, so publishing first would let a fast producer
             # load v + 1, commit, and have its batch rejected (and its run fail) while the queue is at v.
             ray.get(self.queue.set_version.remote(self.trainer.version))
             self.publish()
+            published = time.perf_counter()
         rewards = table.column("reward").to_numpy()
         return {
             **metrics,
@@ -351,6 +215,8 @@ class TrainerShell:
             "staleness_max": int(max(groups.staleness)),
             "staleness": list(groups.staleness),
             "trainer_wait_s": waited,
+            "fetch_s": fetched - started - waited,  # the groups' rows out of the object store
+            "publish_s": published - trained,  # the queue's version, then the weights put and announced
             "step_s": time.perf_counter() - started,
             "ended_at": time.time(),
             "group_ids": [g.group_id for g in groups.groups],
@@ -386,11 +252,13 @@ class TrainerActor(TrainerShell):
                  search_path: str | None = None, rank_group: Any = None):
         import torch
 
-        from streamrl.models.hf import quiet_transformers
         from streamrl.tasks import make_task
 
-        quiet_transformers()
         cfg = self.config = RunConfig.model_validate(config)
+        if cfg.trainer.backend != "sim":  # the simulator's processes never import transformers
+            from streamrl.models.hf import quiet_transformers
+
+            quiet_transformers()
         torch.set_num_threads(cfg.trainer.threads)
         trainer = _make_learner(run_name, cfg, config, model_dir, resume_dir, rank_group)
         if resume_dir is not None:
@@ -400,7 +268,8 @@ class TrainerActor(TrainerShell):
             trainer.offload()  # the servers start while the trainer waits off the GPU
         super().__init__(run_name, trainer, groups_per_step=cfg.queue.groups_per_step,
                          get_timeout_s=cfg.trainer.get_timeout_s, colocated_producers=colocated)
-        self.task = make_task(cfg.task, trainer.tokenizer, seed=cfg.run.seed, search_path=search_path)
+        self.task = make_task(cfg.task, getattr(trainer, "tokenizer", None), seed=cfg.run.seed,
+                              search_path=search_path, sim=cfg.sim_workload())
         self.max_new_tokens = cfg.sampling.max_new_tokens or self.task.max_new_tokens()
         self._group_sender, self._sender_lock = None, threading.Lock()
 
@@ -461,6 +330,10 @@ def _make_learner(run_name: str, cfg: RunConfig, config: dict[str, Any], model_d
         from streamrl.trainer.torch_trainer import TorchTrainer
 
         return TorchTrainer(model_dir, **common)
+    if cfg.trainer.backend == "sim":
+        from streamrl.sim.learner import SimLearner
+
+        return SimLearner(cfg.sim_workload())
     from streamrl.runtime.net import free_port
     from streamrl.trainer.megatron_trainer import MegatronTrainer
     from streamrl.trainer.ranks import MegatronRank, RankGroup

@@ -30,14 +30,9 @@ import ray
 from streamrl import failpoints
 from streamrl.buffer.actor import NAMESPACE, create_queue_actor
 from streamrl.config import ConfigError, RunConfig
-from streamrl.runtime.actors import (
-    ProducerActor,
-    SglangProducerActor,
-    TrainerActor,
-    create_actor,
-    update_group_prefix,
-)
+from streamrl.runtime.actors import ProducerActor, TrainerActor, create_actor
 from streamrl.runtime.connect import RayConnectError, join_cluster, start_local
+from streamrl.runtime.engines import update_group_prefix
 from streamrl.runtime.interrupts import interrupts_deferred
 from streamrl.runtime.progress import ProgressView
 from streamrl.runtime.rundir import RunDir, RunDirError
@@ -72,6 +67,8 @@ def check_resume_overrides(saved: RunConfig, wanted: RunConfig) -> None:
 
 def model_facts(config: RunConfig) -> dict[str, Any]:
     """The model's `config.json` (model.path), or what the built-in model will be built with."""
+    if config.task.kind == "sim":
+        return {"vocab_size": config.sim.vocab_size}  # no model: the simulator's tokens
     if config.model.path is None:
         from streamrl.tasks.reverse import CharVocab
 
@@ -224,6 +221,8 @@ class Run:
     def _model_dir(self) -> Path:
         if self.config.model.path is not None:
             return Path(self.config.model.path).expanduser().resolve()
+        if self.config.task.kind == "sim":
+            return self.run_dir.initial_model  # never built: the simulator has no model
         if self.resume_from is None and not self.run_dir.initial_model.exists():
             from streamrl.models.hf import quiet_transformers
             from streamrl.models.tiny import build_tiny_model
@@ -277,14 +276,14 @@ class Run:
 
     def _create_producer(self, pid: int, restart: int = 0) -> ray.actor.ActorHandle:
         cfg = self.config
-        sglang = cfg.producers.engine == "sglang"
         seed = producer_seed(cfg.run.seed, pid, self.start_step, restart)
-        extra = [str(self.run_dir.path / "sglang")] if sglang else []
+        work_dir = str(self.run_dir.path / "sglang") if cfg.producers.engine == "sglang" else None
         # A dead actor's name stays taken while handles to it live: a replacement gets its own name.
         role = f"producer-{pid}" + (f"-restart{restart}" if restart else "")
-        producer = create_actor(SglangProducerActor if sglang else ProducerActor, self.name, role, self.name, pid,
-                                self.config_dict, str(self.model_dir), seed, self.search_path, *extra,
-                                num_cpus=cfg.producers.num_cpus, num_gpus=cfg.producers.num_gpus, max_concurrency=3)
+        producer = create_actor(ProducerActor, self.name, role, self.name, pid, self.config_dict, str(self.model_dir),
+                                seed, self.search_path, work_dir, num_cpus=cfg.producers.num_cpus,
+                                num_gpus=cfg.producers.num_gpus,
+                                max_concurrency=4)  # run, and the queue's take_batch beside stop/status
         self.actors.append(producer)
         return producer
 
@@ -384,37 +383,53 @@ class Run:
         return self.elapsed_before + time.perf_counter() - started
 
     def train(self, view: ProgressView, stop: threading.Event) -> None:
+        """Step the trainer until the run is done. The next step is asked for as soon as one returns,
+        before that one is recorded (the trainer does not wait for the driver's bookkeeping), except
+        where the trainer must be idle after a step: an evaluation or a checkpoint is due, or the run ends."""
         cfg = self.config.run
         self._view = view
         started = time.perf_counter()
         self._started = started
         if self.start_step == 0:
             first = self._evaluate(started)
-            view.print(f"step {self.step}: held-out accuracy {first.get('eval_accuracy', float('nan')):.2f}")
+            if "eval_accuracy" in first:
+                view.print(f"step {self.step}: held-out accuracy {first['eval_accuracy']:.2f}")
         self._last_end = time.perf_counter()
         while self.step < cfg.steps:
-            if cfg.time_limit_s is not None and time.perf_counter() - started >= cfg.time_limit_s:
-                self.stopped_by = "time_limit"
-                return
-            if stop.is_set():
-                self.stopped_by = "stopped"
-                return
-            self._pending = self.trainer.step.remote()  # cleared by `_record` once the step is recorded
+            if self._pending is None:
+                self.stopped_by = self._stopping(stop, started)
+                if self.stopped_by is not None:
+                    return
+                self._pending = self.trainer.step.remote()  # cleared by `_record` once the step is recorded
             result = self._await(self._pending)
             if result is None:
                 raise RuntimeError("the trainer's step was cancelled while the run was training")
-            now = time.perf_counter()
-            self._record(result, step_wall=now - self._last_end, started=started)
+            now, step = time.perf_counter(), result["version"]
+            eval_due = cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps
+            checkpoint_due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps
+            with interrupts_deferred():  # a Ctrl-C lands before the next step is asked for, or after it is pending
+                following = None
+                if not (eval_due or checkpoint_due) and step < cfg.steps and self._stopping(stop, started) is None:
+                    following = self.trainer.step.remote()
+                self._record(result, step_wall=now - self._last_end, started=started)
+                self._pending = following
             self._last_end = now
             view.step(self.last_metrics)
-            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+            if eval_due:
                 ev = self._evaluate(started)
                 view.print(f"step {self.step}: held-out accuracy {ev.get('eval_accuracy', float('nan')):.2f}, "
                            f"reward {ev.get('eval_reward', float('nan')):.3f}")
-            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
+            if checkpoint_due:
                 with interrupts_deferred():  # a Ctrl-C now stops the run with this checkpoint, written once
                     self.checkpoint(started)
         self.stopped_by = "steps"
+
+    def _stopping(self, stop: threading.Event, started: float) -> str | None:
+        """Why no further step may start now (None: it may)."""
+        limit = self.config.run.time_limit_s
+        if limit is not None and time.perf_counter() - started >= limit:
+            return "time_limit"
+        return "stopped" if stop.is_set() else None
 
     def _queue_status(self) -> dict[str, Any]:
         return ray.get(self.queue.status.remote())

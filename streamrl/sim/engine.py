@@ -2,11 +2,12 @@
 
 ```
  add(key, prompt, n):  n sequences join (lengths drawn now); their prefill is charged to the next step
- step(version):        sleep (prefill owed + decode_step_s(active)) · time_scale, then every active
-                       sequence has one more token stamped `version`; returns the sequences that ended
+ step():               sleep (prefill owed + decode_step_s(active)) · time_scale, then every active
+                       sequence has one more token, stamped with the weights' version; returns the
+                       sequences that ended
 ```
-Everything around it is real: the weights it holds are a tensor of `weights_mb` that the producer's
-receiver really copies and swaps, and its samples become real Arrow batches. Pacing is by deadline:
+Everything around it is real: the weights it holds (`weights.model`) are a tensor of `weights_mb` that
+the producer's receiver really copies and swaps, and its samples become real Arrow batches. Pacing is by deadline:
 a step starts when the previous one ended, or when the host asks if it is more than a step late.
 """
 
@@ -20,7 +21,8 @@ import numpy as np
 import torch
 
 from streamrl.buffer.schema import LENGTH, STOP
-from streamrl.rollout.continuous import FinishedSample
+from streamrl.engine.base import Sample
+from streamrl.engine.local_weights import LocalWeights
 from streamrl.sim.workload import SimWorkload
 
 
@@ -32,11 +34,12 @@ def weights_module(workload: SimWorkload) -> torch.nn.Module:
 
 
 class SimEngine:
-    def __init__(self, workload: SimWorkload, *, seed: int = 0, sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, workload: SimWorkload, weights: LocalWeights | None = None, *, seed: int = 0,
+                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.perf_counter):
+        """`weights`: what follows the trainer (default: the workload's weights, fixed at version 0)."""
         self.workload = workload
         self.capacity = workload.sequences_per_producer
-        self.model = weights_module(workload)
+        self.weights = weights if weights is not None else LocalWeights(weights_module(workload), version=0)
         self._rng = np.random.default_rng(seed)
         self._sleep, self._clock = sleep, clock
         self._steps = 0
@@ -47,6 +50,7 @@ class SimEngine:
         self._prefill_owed_s = 0.0
         self._last_end: float | None = None
         self.last_step_s = 0.0
+        self.generated_tokens = 0
 
     @property
     def active(self) -> int:
@@ -60,10 +64,11 @@ class SimEngine:
             self._running[(key, index)] = (self._steps, int(length))
             heapq.heappush(self._ends, (self._steps + int(length), key, index))
 
-    def step(self, version: int) -> list[FinishedSample]:
+    def step(self) -> list[Sample]:
         """One decode step (with any prefill owed); the sequences that produced their last token."""
         if not self._running:
             raise RuntimeError("step() with no active sequence")
+        version = self.weights.version
         model_s = self._prefill_owed_s + self.workload.decode_step_s(self.active)
         self._prefill_owed_s = 0.0
         self.last_step_s = model_s * self.workload.time_scale
@@ -72,6 +77,7 @@ class SimEngine:
             self._version_from.append(self._steps)
             self._version_of.append(version)
         self._steps += 1
+        self.generated_tokens += len(self._running)
         finished = []
         while self._ends and self._ends[0][0] <= self._steps:
             _, key, index = heapq.heappop(self._ends)
@@ -89,11 +95,11 @@ class SimEngine:
         if self._last_end > now:
             self._sleep(self._last_end - now)
 
-    def _finish(self, key: int, index: int) -> FinishedSample:
+    def _finish(self, key: int, index: int) -> Sample:
         first, length = self._running.pop((key, index))
         steps = np.arange(first, first + length)
         log = np.searchsorted(np.asarray(self._version_from), steps, side="right") - 1
-        return FinishedSample(
+        return Sample(
             key=key, index=index,
             tokens=self._rng.integers(0, self.workload.vocab_size, size=length, dtype=np.int32),
             logprobs=-self._rng.exponential(1.0, size=length).astype(np.float32),
@@ -111,3 +117,9 @@ class SimEngine:
         self._running.clear()
         self._ends.clear()
         self._prefill_owed_s = 0.0
+
+    def lost(self) -> list[int]:
+        return []
+
+    def close(self) -> None:
+        self.abort()

@@ -3,7 +3,10 @@ response token (scaled), then the weights of `weights_mb` are published for real
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -35,3 +38,15 @@ class SimLearner:
 
     def weights(self) -> dict[str, np.ndarray]:
         return state_arrays(self.model, copy=False)
+
+    def evaluate(self, task: Any, *, limit: int | None = None, max_new_tokens: int) -> dict[str, float]:
+        return {}  # nothing is learned, so there is nothing to evaluate
+
+    # ---- checkpoints: the version is the whole state -----------------------------------------------
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "trainer.json").write_text(json.dumps({"version": self.version}))
+
+    def load_optimizer(self, directory: str | Path) -> None:
+        self.version = json.loads((Path(directory) / "trainer.json").read_text())["version"]

@@ -10,6 +10,8 @@
 ```
 All times are model seconds; `time_scale` real seconds pass per model second, so a run is short
 while the orchestration (Ray calls, Arrow batches, the queue, weight transfers) runs at real speed.
+`SimSection` is the run config's `[sim]` section (the timing model); `SimWorkload` adds what the rest
+of the config says (producers, G, B), which the calibration needs.
 """
 
 from __future__ import annotations
@@ -22,14 +24,13 @@ from pydantic import BaseModel, ConfigDict, Field
 Z_99 = 2.3263478740408408  # standard normal 99th percentile
 
 
-class SimWorkload(BaseModel):
+class SimSection(BaseModel):
+    """The simulated engine and trainer (`producers.engine = trainer.backend = task.kind = "sim"`)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    producers: int = Field(4, ge=1)
     sequences_per_producer: int = Field(32, ge=1)
     """Continuous-batching slots of one engine."""
-    group_size: int = Field(4, ge=1)
-    groups_per_step: int = Field(32, ge=1)
     prompt_tokens: int = Field(128, ge=1)
     median_tokens: float = Field(256, gt=0)
     p99_ratio: float = Field(8.0, ge=1)
@@ -64,6 +65,14 @@ class SimWorkload(BaseModel):
 
     def decode_step_s(self, active: int) -> float:
         return self.decode_base_s + self.decode_per_seq_s * active
+
+
+class SimWorkload(SimSection):
+    """The timing model with the run's layout: producers, samples per group, groups per step."""
+
+    producers: int = Field(4, ge=1)
+    group_size: int = Field(4, ge=1)
+    groups_per_step: int = Field(32, ge=1)
 
     def generation_tokens_per_s(self) -> float:
         """Model-time tokens/s of every engine kept full: decode steps plus each group's prefill."""

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from streamrl.config import TaskSection
+    from streamrl.sim.workload import SimWorkload
 
 
 class Task(Protocol):
@@ -36,9 +37,10 @@ class Task(Protocol):
 
 
 def make_task(section: TaskSection, tokenizer: PreTrainedTokenizerBase | None = None, *, seed: int = 0,
-              search_path: str | None = None, max_prompt_tokens: int | None = None) -> Task:
+              search_path: str | None = None, max_prompt_tokens: int | None = None,
+              sim: SimWorkload | None = None) -> Task:
     """The task a config names. File tasks tokenize with the model's tokenizer; with `max_prompt_tokens`
-    they tokenize every prompt at once and refuse one that is longer."""
+    they tokenize every prompt at once and refuse one that is longer. The sim task needs the workload."""
     if section.kind == "reverse":
         from streamrl.tasks.reverse import ReverseDigits
 
@@ -49,6 +51,12 @@ def make_task(section: TaskSection, tokenizer: PreTrainedTokenizerBase | None = 
         if tokenizer is None:
             raise ValueError("a file task needs the model's tokenizer")
         return FileTask(section, tokenizer, search_path=search_path, max_prompt_tokens=max_prompt_tokens)
+    if section.kind == "sim":
+        from streamrl.sim.task import SimTask
+
+        if sim is None:
+            raise ValueError("the sim task needs the simulated workload")
+        return SimTask(sim)
     raise ValueError(f"unknown task kind {section.kind!r}")
 
 

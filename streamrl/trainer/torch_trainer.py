@@ -40,7 +40,9 @@ from streamrl.correction import (
     rloo_advantages,
     token_logprobs,
 )
-from streamrl.engine.sampler import TorchSampler
+from streamrl.engine.base import generate
+from streamrl.engine.local_weights import LocalWeights
+from streamrl.engine.torch_engine import TorchEngine
 from streamrl.models.hf import default_device, load_policy
 from streamrl.tasks import Task
 from streamrl.weights.arrays import state_arrays
@@ -257,9 +259,10 @@ class TorchTrainer:
         if not prompts:
             return {}
         model.eval()
-        sampler = TorchSampler(model, pad_id=self.pad_id, stop_ids=task.stop_token_ids,
-                               max_new_tokens=max_new_tokens)
-        generation = sampler.generate(prompts, self.version, greedy=True)
+        engine = TorchEngine(LocalWeights(model, version=self.version), pad_id=self.pad_id,
+                             stop_ids=task.stop_token_ids, max_new_tokens=max_new_tokens, capacity=len(prompts),
+                             greedy=True)
+        generation = generate(engine, prompts)
         rewards = np.array([task.eval_reward(i, generation.response(i)) for i in range(len(prompts))])
         return {"eval_reward": float(rewards.mean()), "eval_accuracy": float((rewards >= 1.0).mean()),
                 "eval_prompts": len(prompts)}

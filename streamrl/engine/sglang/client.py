@@ -1,9 +1,11 @@
-"""sglang's HTTP endpoints, one method each, over the standard library (token ids in, token ids out).
+"""sglang's HTTP endpoints, one method each (token ids in, token ids out).
 
 Shapes follow sglang's `http_server.py` / `io_struct.py`; a non-2xx answer raises `SglangError` with
 the server's message, a server that cannot be reached raises `EngineUnreachable` (the caller restarts it).
 With an API key every request carries `Authorization: Bearer KEY`, which a server started with
-`--api-key` requires (401 without it).
+`--api-key` requires (401 without it). Control calls (weights, pause, memory) are blocking, over the
+standard library; `/generate` is also offered as a coroutine (`generate_async`, aiohttp), so that one
+event loop keeps hundreds of samples in flight without a thread each.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
+
+import aiohttp
 
 
 class SglangError(RuntimeError):
@@ -40,49 +44,67 @@ class SglangClient:
         self.url, self.host, self.port = url, parts.hostname or "127.0.0.1", parts.port or 80
         self.api_key = api_key
         self.timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None  # generate_async's, in its event loop
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
 
     def call(self, path: str, payload: dict[str, Any] | None = None, *, method: str = "POST",
              timeout_s: float | None = None) -> dict[str, Any]:
         connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s or self.timeout_s)
         try:
             body = None if payload is None else json.dumps(payload)
-            headers = {"Content-Type": "application/json"}
-            if self.api_key is not None:
-                headers["Authorization"] = f"Bearer {self.api_key}"
-            connection.request(method, path, body=body, headers=headers)
+            connection.request(method, path, body=body, headers=self._headers())
             response = connection.getresponse()
             data = response.read()
         except (ConnectionError, http.client.HTTPException, TimeoutError, OSError) as exc:
             raise EngineUnreachable(f"sglang server {self.url}{path}: {exc}") from exc
         finally:
             connection.close()
+        return self._answer(path, response.status, data)
+
+    def _answer(self, path: str, status: int, data: bytes) -> dict[str, Any]:
         try:
             answer = json.loads(data) if data else {}
         except ValueError:  # a plain-text error page (e.g. uvicorn's 500)
             answer = {"message": data[:200].decode(errors="replace")}
-        if response.status >= 300 or (isinstance(answer, dict) and answer.get("success") is False):
-            raise SglangError(f"sglang server {self.url}{path} answered {response.status}: {_message(answer)}")
+        if status >= 300 or (isinstance(answer, dict) and answer.get("success") is False):
+            raise SglangError(f"sglang server {self.url}{path} answered {status}: {_message(answer)}")
         return answer
 
     # ---- generation ------------------------------------------------------------------------------------
     def generate(self, input_ids: list[int], *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  stop_token_ids: list[int] | None = None, rid: str | None = None, seed: int | None = None
                  ) -> Segment:
-        sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": -1,
-                    "stop_token_ids": stop_token_ids or [], "skip_special_tokens": False, "no_stop_trim": True}
-        if seed is not None:
-            sampling["sampling_seed"] = seed
-        payload: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True,
-                                   "logprob_start_len": -1}  # log-probs of the output tokens only
-        if rid is not None:
-            payload["rid"] = rid
-        meta = self.call("/generate", payload)["meta_info"]
-        # The tokens come from the log-prob entries [logprob, token_id, text]: some 0.5.x builds prefix
-        # `output_ids` with prompt tokens (sglang issues #10896, #17240).
-        entries = meta.get("output_token_logprobs") or []
-        return Segment(tokens=[int(entry[1]) for entry in entries], logprobs=[float(entry[0]) for entry in entries],
-                       finish=str(meta["finish_reason"]["type"]) if meta.get("finish_reason") else "abort",
-                       weight_version=meta.get("weight_version"))
+        payload = _generate_payload(input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                    stop_token_ids=stop_token_ids, rid=rid, seed=seed)
+        return _segment(self.call("/generate", payload))
+
+    async def generate_async(self, input_ids: list[int], *, max_new_tokens: int, temperature: float = 1.0,
+                             top_p: float = 1.0, stop_token_ids: list[int] | None = None, rid: str | None = None,
+                             seed: int | None = None) -> Segment:
+        """`generate` as a coroutine of the calling event loop (one connection pool per client and loop)."""
+        payload = _generate_payload(input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                    stop_token_ids=stop_token_ids, rid=rid, seed=seed)
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                  timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        try:
+            async with self._session.post(f"http://{self.host}:{self.port}/generate", json=payload,
+                                          headers=self._headers()) as response:
+                status, data = response.status, await response.read()
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
+            raise EngineUnreachable(f"sglang server {self.url}/generate: {exc!r}") from exc
+        return _segment(self._answer("/generate", status, data))
+
+    async def close_async(self) -> None:
+        """Close `generate_async`'s connections (in the loop that made them)."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     def abort(self, rid: str | None = None) -> None:
         """Abort one request (sglang matches ids by prefix: use fixed-width ids) or, without `rid`, all."""
@@ -166,6 +188,29 @@ class SglangClient:
             return True
         except (EngineUnreachable, SglangError):
             return False
+
+
+def _generate_payload(input_ids: list[int], *, max_new_tokens: int, temperature: float, top_p: float,
+                      stop_token_ids: list[int] | None, rid: str | None, seed: int | None) -> dict[str, Any]:
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": -1,
+                "stop_token_ids": stop_token_ids or [], "skip_special_tokens": False, "no_stop_trim": True}
+    if seed is not None:
+        sampling["sampling_seed"] = seed
+    payload: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True,
+                               "logprob_start_len": -1}  # log-probs of the output tokens only
+    if rid is not None:
+        payload["rid"] = rid
+    return payload
+
+
+def _segment(answer: dict[str, Any]) -> Segment:
+    meta = answer["meta_info"]
+    # The tokens come from the log-prob entries [logprob, token_id, text]: some 0.5.x builds prefix
+    # `output_ids` with prompt tokens (sglang issues #10896, #17240).
+    entries = meta.get("output_token_logprobs") or []
+    return Segment(tokens=[int(entry[1]) for entry in entries], logprobs=[float(entry[0]) for entry in entries],
+                   finish=str(meta["finish_reason"]["type"]) if meta.get("finish_reason") else "abort",
+                   weight_version=meta.get("weight_version"))
 
 
 def _message(answer: Any) -> str:

@@ -1,11 +1,13 @@
-"""Samples from sglang servers with the exact policy version of every token, and weight updates that
-pause one server at a time.
+"""One sglang server: samples with the exact policy version of every token, and weight updates that
+pause that server alone.
 
 ```
- sample:  generate(prompt + tokens so far) ─► segment (tokens, log-probs, finish)
+ sample (a coroutine on the producer's event loop; hundreds in flight, no thread each):
+          generate(prompt + tokens so far) ─► segment (tokens, log-probs, finish)
             finish = abort (a weight update cut it): continue from where it stopped, with the new weights
             every token of a segment is stamped with the version the server held while it ran
- update:  close the gate (no new request) ─► pause_generation(abort) ─► running requests return
+ update (the weights thread, blocking):
+          close the gate (no new request) ─► pause_generation(abort) ─► running requests return
             ─► load the weights ─► update_weight_version ─► continue_generation ─► open the gate
  crash:   a request that cannot reach its server restarts it, reloads the newest weights, and raises
           EngineLost: the caller gives the group's prompt back
@@ -13,16 +15,20 @@ pause one server at a time.
 ```
 No request is in flight while weights load (the update waits until every running request has come
 back), so a segment never spans two versions; a server that reports `weight_version` is checked
-against it. Updating one engine never holds up another: each has its own gate.
+against it. The gate and the in-flight count live on the event loop; the blocking side reaches them
+through `EventLoopThread.call`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -31,14 +37,44 @@ from streamrl.engine.sglang.client import EngineUnreachable, SglangClient, Sglan
 from streamrl.engine.sglang.server import ServerProcess
 
 Loader = Callable[[SglangClient], None]  # puts one version's weights into a server
+T = TypeVar("T")
 
 
 class EngineLost(RuntimeError):
     """A server died under a request; it was restarted with the newest weights, the sample is lost."""
 
 
+class EventLoopThread:
+    """An asyncio event loop running in a thread of its own, for coroutines submitted from other threads."""
+
+    def __init__(self, name: str = "sglang-io"):
+        self.loop = asyncio.new_event_loop()
+        self._closers: list[Callable[[], Coroutine[Any, Any, None]]] = []  # run on the loop before it stops
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def on_close(self, closer: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """`closer()` is awaited on the loop when it closes (e.g. an HTTP session made on it)."""
+        self._closers.append(closer)
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def call(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return self.submit(coroutine).result(timeout)
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        for closer in self._closers:
+            self.call(closer(), timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+
 @dataclass
-class Sample:
+class Completion:
     tokens: np.ndarray  # int32, stop token included
     logprobs: np.ndarray  # float32, behaviour log-prob per token
     versions: np.ndarray  # int32, policy version per token
@@ -47,53 +83,60 @@ class Sample:
 
 
 class SglangEngine:
-    def __init__(self, client: SglangClient, *, server: ServerProcess | None = None, version: int = 0,
-                 drain_poll_s: float = 0.2, drain_timeout_s: float = 10.0):
+    def __init__(self, client: SglangClient, io: EventLoopThread, *, server: ServerProcess | None = None,
+                 version: int = 0, drain_poll_s: float = 0.2, drain_timeout_s: float = 10.0):
         if server is not None and client.api_key is None:
             client.api_key = server.spec.api_key  # a client made from the server's URL alone
-        self.client, self.server = client, server
+        self.client, self.server, self.io = client, server, io
+        io.on_close(client.close_async)
         self.version = version
         self.drain_poll_s, self.drain_timeout_s = drain_poll_s, drain_timeout_s
         self.closing = False  # set before the producer stops its servers: a failed request is not a crash
         self._released = False  # colocated: the server gave its GPU memory to the trainer
-        self._cond = threading.Condition()
-        self._updating = False
-        self._in_flight = 0
+        self._open = asyncio.Event()  # the gate, on the loop: closed while weights load
+        self._open.set()
+        self._idle = asyncio.Event()  # no request in flight
+        self._idle.set()
+        self._in_flight = 0  # requests sent and not returned, counted on the loop
+        self._update_lock = threading.Lock()  # one update (or release) of this server at a time
         self._restart_lock = threading.Lock()
         self._loaded: tuple[int, Loader] | None = None  # the newest weights, to reload after a restart
-        self.stats = {"segments": 0, "continued": 0, "updates": 0, "update_s": 0.0, "restarts": 0}
+        self.stats = {"segments": 0, "continued": 0, "updates": 0, "update_s": 0.0, "restarts": 0, "tokens": 0}
 
     @property
     def in_flight(self) -> int:
         return self._in_flight
 
-    # ---- generation ------------------------------------------------------------------------------------
-    def sample(self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int] = (),
-               temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None) -> Sample:
+    # ---- generation (on the event loop) ----------------------------------------------------------------
+    async def sample(self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int] = (),
+                     temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None) -> Completion:
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
         segments = 0
         while True:
-            with self._cond:
-                self._cond.wait_for(lambda: not self._updating)
-                self._in_flight += 1
-                version = self.version
+            await self._open.wait()
+            self._in_flight += 1
+            self._idle.clear()
+            version, rid = self.version, uuid.uuid4().hex  # fixed width: sglang matches ids by prefix
             try:
-                segment = self.client.generate(list(prompt) + tokens, max_new_tokens=max_new_tokens - len(tokens),
-                                               temperature=temperature, top_p=top_p,
-                                               stop_token_ids=list(stop_token_ids), seed=seed,
-                                               rid=uuid.uuid4().hex)  # fixed width: prefix-free
+                segment = await self.client.generate_async(
+                    list(prompt) + tokens, max_new_tokens=max_new_tokens - len(tokens), temperature=temperature,
+                    top_p=top_p, stop_token_ids=list(stop_token_ids), seed=seed, rid=rid)
             except EngineUnreachable as exc:
-                self._recover(exc)
+                await asyncio.get_running_loop().run_in_executor(None, self._recover, exc)
                 raise EngineLost(f"{self.client.url} died under a request") from exc
+            except asyncio.CancelledError:  # the group was stopped: the server need not finish it
+                asyncio.get_running_loop().run_in_executor(None, self._abort_quietly, rid)
+                raise
             finally:
-                with self._cond:
-                    self._in_flight -= 1
-                    self._cond.notify_all()
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self._idle.set()
             version = self._segment_version(segment.weight_version, version)
             segments += 1
             self.stats["segments"] += 1
+            self.stats["tokens"] += len(segment.tokens)
             tokens += segment.tokens
             logprobs += segment.logprobs
             versions += [version] * len(segment.tokens)
@@ -101,8 +144,14 @@ class SglangEngine:
                 break
             self.stats["continued"] += 1  # cut by a weight update: go on with the new weights
         finish = STOP if segment.finish == "stop" else LENGTH
-        return Sample(np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32),
-                      np.asarray(versions, np.int32), finish, segments)
+        return Completion(np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32),
+                          np.asarray(versions, np.int32), finish, segments)
+
+    def _abort_quietly(self, rid: str) -> None:
+        try:
+            self.client.abort(rid)
+        except (EngineUnreachable, SglangError):
+            pass  # the request is gone either way: the server died, or it had finished
 
     def _segment_version(self, reported: str | None, submitted: int) -> int:
         """The version that generated a segment: the server's own `weight_version` (sglang ≥ 0.5.1)
@@ -120,22 +169,21 @@ class SglangEngine:
             raise SglangError(f"{self.client.url} reports weight_version {reported!r}, not one streamrl set")
         return int(reported)
 
-    # ---- weights ---------------------------------------------------------------------------------------
+    # ---- weights (blocking: the producer's weights thread) ----------------------------------------------
     def update_weights(self, version: int, load: Loader) -> float:
         """Pause this server, load `version` with `load`, resume; the seconds it was paused. A failed
         load leaves the server paused and raises (its weights are then unknown)."""
-        with self._cond:
-            self._cond.wait_for(lambda: not self._updating)
-            self._updating = True
-        started = time.perf_counter()
-        try:
+        with self._update_lock:
+            self._close_gate()
+            started = time.perf_counter()
             try:
-                self._swap(version, load)
-            except EngineUnreachable as exc:  # the server died: restart it, then load this version into it
-                self._recover(exc)
-                self._swap(version, load)
-        finally:
-            self._open_gate()
+                try:
+                    self._swap(version, load)
+                except EngineUnreachable as exc:  # the server died: restart it, then load this version into it
+                    self._recover(exc)
+                    self._swap(version, load)
+            finally:
+                self._open_gate()
         paused = time.perf_counter() - started
         self.stats["updates"] += 1
         self.stats["update_s"] += paused
@@ -145,9 +193,8 @@ class SglangEngine:
     def release(self) -> None:
         """Stop generating (running requests return and wait to continue) and free the server's GPU
         memory (torch-memory-saver, `--enable-memory-saver`). Weight updates wait until `resume`."""
-        with self._cond:
-            self._cond.wait_for(lambda: not self._updating)
-            self._updating = True  # the gate stays closed until resume
+        self._update_lock.acquire()  # held until resume: no update while the memory is away
+        self._close_gate()
         try:
             self.client.pause_generation("abort")
             self._drain()
@@ -158,7 +205,8 @@ class SglangEngine:
             try:
                 self.client.continue_generation()
             finally:
-                self._open_gate()  # even when the server is gone: samplers must not wait forever
+                self._open_gate()  # even when the server is gone: samples must not wait forever
+                self._update_lock.release()
             raise
 
     def resume(self) -> None:
@@ -171,11 +219,13 @@ class SglangEngine:
             self._released = False
         finally:
             self._open_gate()
+            self._update_lock.release()
+
+    def _close_gate(self) -> None:
+        self.io.call(_clear(self._open))
 
     def _open_gate(self) -> None:
-        with self._cond:
-            self._updating = False
-            self._cond.notify_all()
+        self.io.call(_set(self._open))
 
     def _swap(self, version: int, load: Loader) -> None:
         self.client.pause_generation("abort")
@@ -193,9 +243,8 @@ class SglangEngine:
         with the new weights, which the server's `weight_version` on its answer says."""
         deadline = time.monotonic() + self.drain_timeout_s
         while time.monotonic() < deadline:
-            with self._cond:
-                if self._cond.wait_for(lambda: self._in_flight == 0, timeout=self.drain_poll_s):
-                    return
+            if self.io.call(_wait(self._idle, self.drain_poll_s)):
+                return
             self.client.abort()
 
     def _recover(self, cause: BaseException) -> None:
@@ -215,45 +264,17 @@ class SglangEngine:
                 self.client.update_weight_version(version)
 
 
-class EnginePool:
-    """A producer's servers: each sample goes to the least busy one; updates roll through them one at
-    a time, so all but one keep generating."""
+async def _clear(event: asyncio.Event) -> None:
+    event.clear()
 
-    def __init__(self, engines: Sequence[SglangEngine]):
-        if not engines:
-            raise ValueError("an engine pool needs at least one engine")
-        self.engines = list(engines)
-        self._lock = threading.Lock()
 
-    def pick(self) -> SglangEngine:
-        with self._lock:
-            return min(self.engines, key=lambda e: e.in_flight)
+async def _set(event: asyncio.Event) -> None:
+    event.set()
 
-    def update_weights(self, version: int, load: Loader) -> list[float]:
-        return [engine.update_weights(version, load) for engine in self.engines]
 
-    def release(self) -> None:
-        released = []
-        try:
-            for engine in self.engines:
-                engine.release()
-                released.append(engine)
-        except BaseException:
-            for engine in released:  # all or none: the ones already released go back to generating
-                engine.resume()
-            raise
-
-    def resume(self) -> None:
-        """Resume every released engine (an engine that was not released answers its resume anyway)."""
-        errors = []
-        for engine in self.engines:
-            try:
-                engine.resume()
-            except BaseException as exc:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-
-    @property
-    def version(self) -> int:
-        return min(engine.version for engine in self.engines)
+async def _wait(event: asyncio.Event, timeout: float) -> bool:
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+        return True
+    except TimeoutError:
+        return False

@@ -1,0 +1,54 @@
+"""Weights an engine holds in its own process (a torch module): the torch and simulated engines.
+
+A `WeightReceiver` fetches newer versions in the background; `refresh()` switches to one at a decode-step
+boundary (a pointer swap when double-buffered) and reports how long generation was held up. Without a
+receiver the weights are fixed (evaluation, tests).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from streamrl.weights.receiver import WeightReceiver
+
+
+class LocalWeights:
+    def __init__(self, model: torch.nn.Module, receiver: WeightReceiver | None = None, *, version: int | None = 0):
+        self.model = model
+        self.receiver = receiver
+        self.version = receiver.version if receiver is not None else version
+        self._fixed_history: list[tuple[float, int]] = []
+
+    @property
+    def history(self) -> list[tuple[float, int]]:
+        return self.receiver.history if self.receiver is not None else self._fixed_history
+
+    def start(self) -> None:
+        if self.receiver is not None:
+            self.receiver.start()
+
+    def stop(self) -> None:
+        if self.receiver is not None:
+            self.receiver.stop()
+
+    def refresh(self) -> float | None:
+        if self.receiver is None:
+            return None
+        started = time.perf_counter()
+        self.model, version = self.receiver.apply(self.model)
+        if version == self.version:
+            return None
+        self.version = version
+        return time.perf_counter() - started
+
+    def wait_newer(self, than: int | None, timeout: float) -> bool:
+        if self.receiver is None:
+            time.sleep(timeout)
+            return False
+        return self.receiver.wait_newer(than, timeout)
+
+    def status(self) -> dict[str, Any]:
+        return self.receiver.status() if self.receiver is not None else {"version": self.version, "loads": 0}

@@ -1,0 +1,50 @@
+"""sglang weights by disk (`producers.sglang.weights = "disk"`): each version written once as a Hugging
+Face directory (safetensors beside the base model's config and tokenizer), then loaded by every server
+with `/update_weights_from_disk`. The newest `keep` versions stay on disk.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+Loader = Callable[..., None]  # puts one version's weights into a server (an SglangClient)
+
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json")
+
+
+class DiskWeights:
+    """Published weights as a Hugging Face directory an sglang server can load: the arrays as
+    safetensors next to the base model's config and tokenizer. Keeps the newest `keep` versions."""
+
+    def __init__(self, base_model: str | Path, root: str | Path, keep: int = 2):
+        self.base, self.root, self.keep = Path(base_model), Path(root), keep
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def write(self, version: int, arrays: dict[str, np.ndarray]) -> Path:
+        target = self.root / f"v{version:08d}"
+        partial = target.with_suffix(".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        for name in MODEL_FILES:
+            if (self.base / name).is_file():
+                shutil.copy2(self.base / name, partial / name)
+        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(partial / "model.safetensors"))
+        partial.rename(target)  # a server never sees a half-written version
+        for old in sorted(self.root.glob("v*"))[:-self.keep]:
+            shutil.rmtree(old)
+        return target
+
+    def loader(self, version: int, arrays: dict[str, np.ndarray]) -> Loader:
+        """Write the version once; each server then loads it from the directory."""
+        return disk_loader(str(self.write(version, arrays)))
+
+
+def disk_loader(path: str) -> Loader:
+    """Loads a written version into a server (kept by the engine, to reload after a restart)."""
+    return lambda client: client.update_weights_from_disk(path)
