@@ -2,8 +2,11 @@
 
     python benchmarks/buffer.py --out benchmarks/results/buffer.json
 
-Every figure is measured in the same run, so the ratios (put/get against memcpy) hold on a noisy
-shared machine. Batches are 4,096 samples of ~512 response tokens (lengths drawn from 384-640).
+Every figure is measured in the same run, so the ratios (put/get against memcpy, the queue's Ray path
+against a plain `ray.put` + `ray.get` of the same bytes between the same two processes) hold on a noisy
+shared machine. Batches are 4,096 samples of ~512 response tokens (lengths drawn from 384-640). The
+Ray path is the producers' own: `RemoteQueue.commit` (the batch left in the producer's outbox, taken
+by the queue actor as the return value of its call), then the trainer's `get` and `fetch_table`.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ from streamrl.benchreport import BASELINES, Target, finish
 from streamrl.buffer import QueueConfig, ReplayQueue, assemble
 from streamrl.buffer.actor import create_queue_actor, fetch_table
 from streamrl.buffer.synthetic import synthetic_batch
+from streamrl.runtime.actors import RemoteQueue
 from streamrl.runtime.connect import start_local
 
 SAMPLES, GROUP = 4096, 8
 GROUPS = SAMPLES // GROUP
 TARGETS = [Target("put_get_vs_memcpy", ">=", 0.25), Target("admit_per_s", ">=", 100_000),
-           Target("ray_admit_slots_per_s", ">=", 10_000)]
+           Target("ray_admit_slots_per_s", ">=", 10_000), Target("ray_vs_put_get", ">=", 0.5)]
 HEADLINE = ["put_get_gbps", "admit_per_s", "ray_admit_slots_per_s", "ray_gbps"]
 
 
@@ -78,24 +82,39 @@ def bench_admit(seconds: float) -> dict:
     return {"admit_per_s": single, "admit_slots_per_s_batched": slots / (time.perf_counter() - t0)}
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_concurrency=2)
 class _Producer:
+    """A producer's commit path without the generation (the client a producer actor uses)."""
+
     def __init__(self, queue):
         self.queue = queue
+        self.client = RemoteQueue(queue, 0)
+
+    def take_batch(self, key: int):
+        return self.client.outbox.take(key)
 
     def prepare(self, batches: int) -> None:
         # Generated before the clock starts: what is measured is the transport, not the sampling.
         rng = np.random.default_rng(1)
         self.batches = []
         for _ in range(batches):
-            tickets = ray.get(self.queue.admit.remote(0, GROUPS, timeout=30.0)).tickets
+            tickets = self.client.admit(0, GROUPS, timeout=30.0).tickets
             self.batches.append(synthetic_batch(tickets, GROUP, prompt_len=(32, 96), response_len=(384, 640),
                                                 vocab_size=151_936, rng=rng))
 
     def produce(self) -> int:
         for batch in self.batches:
-            ray.get(self.queue.commit.remote(batch))
+            self.client.commit(batch)
         return sum(batch.nbytes for batch in self.batches)
+
+    def put_and_read(self, reader) -> float:
+        """The limit: each batch `ray.put` here and `ray.get` in the trainer's process; seconds after the
+        first batch (as `consume` measures)."""
+        started = None
+        for batch in self.batches:
+            ray.get(reader.read.remote([ray.put(batch)]))
+            started = started or time.perf_counter()
+        return time.perf_counter() - started
 
     def admit_rate(self, seconds: float, per_call: int) -> float:
         slots, t0 = 0, time.perf_counter()
@@ -117,6 +136,9 @@ class _Trainer:
             received += table.nbytes
         return received, time.perf_counter() - t0
 
+    def read(self, refs: list) -> int:
+        return ray.get(refs[0]).num_rows
+
 
 def bench_ray(batches: int, seconds: float) -> dict:
     start_local(2, log_to_driver=False)
@@ -130,7 +152,9 @@ def bench_ray(batches: int, seconds: float) -> dict:
         ray.get(producer.produce.remote())
         received, elapsed = ray.get(consumed)
         per_batch = received / (batches + 1)
-        return {"ray_admit_slots_per_s": slots_per_s, "ray_gbps": per_batch * batches / elapsed / 1e9}
+        plain = ray.get(producer.put_and_read.remote(trainer))
+        return {"ray_admit_slots_per_s": slots_per_s, "ray_gbps": per_batch * batches / elapsed / 1e9,
+                "ray_put_get_gbps": per_batch * batches / plain / 1e9}
     finally:
         ray.shutdown()
 
@@ -147,6 +171,7 @@ def main() -> None:
     results = {**bench_put_get(args.repeats), **bench_admit(args.seconds),
                **bench_ray(args.ray_batches, args.seconds)}
     results["put_get_vs_memcpy"] = results["put_get_gbps"] / results["memcpy_gbps"]
+    results["ray_vs_put_get"] = results["ray_gbps"] / results["ray_put_get_gbps"]
     table = Table(title="streamrl replay queue")
     for column in ("metric", "value"):
         table.add_column(column, justify="right")

@@ -54,14 +54,15 @@ def schedule_overrides(name: str, eta: int) -> list[str]:
     return SCHEDULES.get(name, [f"queue.max_staleness={eta}", "queue.admission='continuous'"])
 
 
-def pacing(name: str, eta: int, window_s: float) -> tuple[int, list[str]]:
+def pacing(name: str, eta: int, window_s: float, steps: int | None = None) -> tuple[int, list[str]]:
     """Warm-up steps and the run length: a synchronous step lasts as long as its longest response, so
-    it needs fewer, longer steps than the streaming schedules to fill the same window."""
-    if name == "sync":
-        return 1, ["run.steps=5", "run.time_limit_s=300"]
-    if name == "one_step":
-        return 2, ["run.steps=6", "run.time_limit_s=300"]
-    warmup = 3 + min(eta, 8)
+    it needs fewer, longer steps than the streaming schedules to fill the same window. With `steps`,
+    every schedule measures that many steps after its warm-up (the torch engine, whose steps are short)."""
+    warmup = {"sync": 1, "one_step": 2}.get(name, 3 + min(eta, 8))
+    if steps is not None:
+        return warmup, [f"run.steps={warmup + steps}", "run.time_limit_s=900"]
+    if name in ("sync", "one_step"):
+        return warmup, [f"run.steps={warmup + 4}", "run.time_limit_s=300"]
     return warmup, ["run.steps=100000", f"run.time_limit_s={window_s + 6 + 0.8 * warmup}"]
 
 
@@ -129,10 +130,10 @@ def measure(run_dir: RunDir, summary: dict[str, Any], warmup: int) -> dict[str, 
     }
 
 
-def run_schedules(launcher: Launcher, engine: str, eta: int, window_s: float) -> dict[str, Any]:
+def run_schedules(launcher: Launcher, engine: str, eta: int, window_s: float, steps: int | None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name in ("sync", "one_step", "async"):
-        warmup, length = pacing(name, eta, window_s)
+        warmup, length = pacing(name, eta, window_s, steps if engine == "torch" else None)
         results[name] = {"max_staleness": {"sync": 0, "one_step": 1}.get(name, eta),
                          "admission": "per_step" if name == "one_step" else "continuous",
                          **launcher.run(name, schedule_overrides(name, eta) + length, warmup)}
@@ -248,7 +249,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=["sim", "torch"], default="sim")
     parser.add_argument("--eta", type=int, default=8, help="the async schedule's staleness budget")
-    parser.add_argument("--window-s", type=float, default=25.0, help="measured seconds of the async schedule")
+    parser.add_argument("--window-s", type=float, default=25.0, help="sim: measured seconds of the async schedule")
+    parser.add_argument("--steps", type=int, default=40, help="torch: measured steps per schedule, after warm-up")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="a `streamrl launch` config override (e.g. sim.p99_ratio=16, producers.count=3)")
     parser.add_argument("--sweep", action="store_true", help="sim: η × tail × producers sweep, with a PNG plot")
@@ -276,7 +278,7 @@ def main() -> None:
         if args.sweep:
             results = sweep(launcher, args.sweep_etas, args.sweep_tails, args.sweep_producers, args.window_s / 2)
         else:
-            results = run_schedules(launcher, args.engine, args.eta, args.window_s)
+            results = run_schedules(launcher, args.engine, args.eta, args.window_s, args.steps)
     finally:
         ray.shutdown()
     results["wall_s"] = time.time() - started
@@ -287,9 +289,13 @@ def main() -> None:
                 "groups_per_step": base.queue.groups_per_step}
     if args.engine == "sim":
         work = base.sim_workload()
+        model = work.schedule_rates()
         workload.update(sim=work.model_dump(), mean_tokens=work.mean_length(),
                         calibrated_train_s_per_token=work.calibrated_train_s_per_token(),
-                        model_generation_tokens_per_s=work.generation_tokens_per_s())
+                        model_generation_tokens_per_s=work.generation_tokens_per_s(),
+                        model_schedule_tokens_per_s=model,  # the timing model's own, in model seconds
+                        model_ideal_speedup_vs_sync=model["async"] / model["sync"],
+                        model_ideal_speedup_vs_one_step=model["async"] / model["one_step"])
     if args.sweep:
         finish("pipeline_sweep", out, workload=workload, results=results, targets=[], headline=[])
         plot(results, base, out.with_suffix(".png"))
@@ -297,6 +303,10 @@ def main() -> None:
         return
     results.update(ratios(results))
     print_schedules(results, console, f"streamrl pipeline ({args.engine} engine, wall {results['wall_s']:.0f} s)")
+    if args.engine == "sim":
+        console.print(f"the timing model's own ideal, with no overhead at all: async ÷ sync "
+                      f"{workload['model_ideal_speedup_vs_sync']:.2f}x, async ÷ one-step "
+                      f"{workload['model_ideal_speedup_vs_one_step']:.2f}x")
     finish("pipeline", out, workload=workload, results=results, targets=TARGETS[args.engine], headline=HEADLINE,
            baseline=args.baseline or BASELINES / f"baseline_{default}.json")
 

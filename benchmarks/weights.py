@@ -3,7 +3,7 @@
     python benchmarks/weights.py --out benchmarks/results/weights.json
 
 For each size and producer count, in the same run:
-  publish_fetch_s  the trainer `ray.put`s the weights and publishes the reference to the weights actor;
+  publish_fetch_s  the trainer's path (`publish_weights`: put, announce to the weights actor) until
                    every producer's background receiver (long poll) has them staged — the real path
   put_get_s        one `ray.put` of the same bytes and one `ray.get` in another process (the limit)
   ready_s          until every producer can switch to them (double-buffered: after the copy into the
@@ -30,7 +30,7 @@ from streamrl.runtime.actors import create_actor
 from streamrl.runtime.connect import start_local
 from streamrl.runtime.engines import remote_fetch
 from streamrl.sim.workload import SimWorkload
-from streamrl.weights.actor import WeightsActor
+from streamrl.weights.actor import WeightsActor, publish_weights
 from streamrl.weights.receiver import WeightReceiver
 
 RUN = "bench-weights"
@@ -84,7 +84,7 @@ def measure(nbytes: int, producers: int, repeats: int, double_buffer: bool) -> d
                    for i in range(producers)]
     reader = ray.remote(num_cpus=0)(Reader).remote()
     try:
-        ray.get(weights.publish.remote(0, [ray.put(arrays)]))  # warm-up: connections, first fetch
+        ray.get(publish_weights(weights, 0, arrays))  # warm-up: connections, first fetch
         ray.get([s.arrival.remote(0) for s in subscribers])
         ray.get([s.apply.remote() for s in subscribers])
         ray.get(reader.read.remote([ray.put(arrays)]))
@@ -92,7 +92,7 @@ def measure(nbytes: int, producers: int, repeats: int, double_buffer: bool) -> d
         for version in range(1, repeats + 1):
             arrays["w"][0] = version  # new contents, same size
             started = time.time()
-            ray.get(weights.publish.remote(version, [ray.put(arrays)]))
+            ray.get(publish_weights(weights, version, arrays))
             fetched, staged = zip(*ray.get([s.arrival.remote(version) for s in subscribers]))
             publish.append(max(fetched) - started)
             ready.append(max(staged) - started)

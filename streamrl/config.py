@@ -69,11 +69,17 @@ class ModelSection(_Section):
 
 
 class TaskSection(_Section):
-    kind: Literal["reverse", "file", "sim"] = "reverse"
-    """`reverse`: the built-in digit-reversal task. `file`: prompts from Parquet/JSONL, your reward.
-    `sim`: the simulated workload's prompts and rewards (with the sim engine and trainer: nothing is learned)."""
+    kind: Literal["reverse", "long_tail", "file", "sim"] = "reverse"
+    """`reverse`: the built-in digit-reversal task. `long_tail`: reversal of strings of very different
+    lengths (response lengths with a 99th percentile `tail` × their median). `file`: prompts from
+    Parquet/JSONL, your reward. `sim`: the simulated workload's prompts and rewards (with the sim engine
+    and trainer: nothing is learned)."""
     digits: int = Field(3, ge=1, le=12)
-    """reverse: length of the digit string."""
+    """reverse: length of the digit string; long_tail: the median length."""
+    max_digits: int = Field(28, ge=1, le=60)
+    """long_tail: the longest string (responses are at most max_digits + 1 tokens)."""
+    tail: float = Field(8.0, ge=1, allow_inf_nan=False)
+    """long_tail: 99th percentile of the response length over its median."""
     prompts: str | None = None
     """file: Parquet (`.parquet`) or JSON-lines (`.jsonl`) file with one prompt per row."""
     eval_prompts: str | None = None

@@ -80,7 +80,7 @@ LAUNCH = __import__("pathlib").Path(__file__).resolve().parent.parent / "launch"
 
 
 @pytest.mark.parametrize("name", ["default", "sync", "one-step", "cpu-large", "cluster", "file-task", "gpu-split", "sim",
-                                  "gpu-cluster", "gpu-colocated"])
+                                  "gpu-cluster", "gpu-colocated", "long-tail"])
 def test_example_configs_load(name):
     config = load_config(LAUNCH / f"{name}.toml")
     if name == "default":

@@ -314,9 +314,12 @@ def test_a_run_that_needs_more_than_the_cluster_has_is_refused_and_leaves_nothin
 
 
 def test_sequences_longer_than_the_model_allows_are_refused_before_anything_starts(tmp_path):
-    with pytest.raises(ConfigError, match="exceed the model's max_position_embeddings=16"):
-        prepare(None, tiny(tmp_path, "long", "task.digits=5", "model.max_positions=16"))
+    with pytest.raises(ConfigError, match="task.digits=7: sequences of up to 18 tokens exceed the model's "
+                                          "max_position_embeddings=16"):
+        prepare(None, tiny(tmp_path, "long", "task.digits=7", "model.max_positions=16"))
     assert not (tmp_path / "long").exists()
+    with pytest.raises(ConfigError, match="task.max_digits=28: sequences of up to 60 tokens exceed"):
+        prepare(None, tiny(tmp_path, "tail", "task.kind=long_tail", "model.max_positions=32"))
 
 
 def test_pipeline_stages_that_do_not_split_the_layers_evenly_are_refused_before_anything_starts(tmp_path):

@@ -189,3 +189,12 @@ def test_groups_that_can_no_longer_be_trained_in_budget_are_stopped_and_given_ba
     assert all(queue.ticket_state(t) == "abandoned" for t in first)
     assert queue.status()["committed"] == 0  # nothing was finished only to be thrown away
     assert sorted(queue.returned_prompts()) == list(range(queue.status()["prompt_cursor"]))
+
+
+def test_the_models_own_schedule_rates_bound_what_a_run_can_reach():
+    rates = SimWorkload().schedule_rates(batches=100)
+    assert rates["async"] == pytest.approx(SimWorkload().generation_tokens_per_s())
+    assert rates["sync"] < rates["one_step"] < rates["async"]
+    flat = SimWorkload(p99_ratio=1.0).schedule_rates(batches=20)  # no tail: sync loses only the overlap
+    assert flat["async"] / flat["sync"] == pytest.approx(2.0, rel=0.1)
+    assert SimWorkload(p99_ratio=16).schedule_rates(batches=100)["sync"] < rates["sync"]

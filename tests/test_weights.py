@@ -124,3 +124,32 @@ def test_state_arrays_hold_tied_weights_once_and_reject_mismatches(tiny_model_di
         load_state_arrays(model, bad)
     with pytest.raises(KeyError, match="not_a_weight"):
         load_state_arrays(model, {"not_a_weight": np.zeros(1, np.float32)})
+
+
+@pytest.mark.ray
+def test_small_versions_come_back_in_the_long_poll_answer_large_ones_and_by_reference_as_a_reference(
+        ray_local, monkeypatch):
+    """A version of at most INLINE_MAX_BYTES is served by value (no second round trip to resolve a
+    reference); above it, or for a caller that passes the version on (sglang's broadcast), a reference."""
+    import ray
+
+    from streamrl.runtime.actors import create_actor
+    from streamrl.runtime.engines import remote_fetch
+    from streamrl.weights.actor import INLINE_MAX_BYTES, WeightsActor, publish_weights
+
+    weights = create_actor(WeightsActor, "inline-test", "weights", max_concurrency=4)
+    try:
+        small = {"w": np.arange(1000, dtype=np.float32)}
+        ray.get(publish_weights(weights, 0, small))
+        version, payload = ray.get(weights.acquire.remote(0, None, 0.0))
+        assert version == 0 and isinstance(payload, dict) and np.array_equal(payload["w"], small["w"])
+        version, payload = ray.get(weights.acquire.remote(1, None, 0.0, True))
+        assert isinstance(payload, list) and isinstance(payload[0], ray.ObjectRef)
+        large = {"w": np.zeros(INLINE_MAX_BYTES // 4 + 1, dtype=np.float32)}
+        ray.get(publish_weights(weights, 1, large))
+        assert isinstance(ray.get(weights.acquire.remote(0, 0, 0.0))[1], list)
+        for by_reference in (False, True):  # the producers' fetch hands back what each path expects
+            version, got = remote_fetch(weights, 2 + by_reference, by_reference=by_reference)(None, 1.0)
+            assert version == 1 and (isinstance(got, list) if by_reference else got["w"].size == large["w"].size)
+    finally:
+        ray.kill(weights)

@@ -28,6 +28,7 @@ from streamrl import failpoints
 from streamrl.buffer.actor import NAMESPACE, Outbox, fetch_table, get_queue_actor
 from streamrl.buffer.queue import Admission, QueueClosed
 from streamrl.config import RunConfig
+from streamrl.weights.actor import publish_weights
 
 
 def actor_name(run_name: str, role: str) -> str:
@@ -171,8 +172,8 @@ class TrainerShell:
         if self._last_publish is not None:
             ray.get(self._last_publish)
         failpoints.hit("trainer.publish")
-        ref = ray.put(self.trainer.weights())  # put copies before returning
-        self._last_publish = self.weights.publish.remote(self.trainer.version, [ref])  # in a list: by reference
+        # put copies before returning: the trainer may change its weights at once
+        self._last_publish = publish_weights(self.weights, self.trainer.version, self.trainer.weights())
         return self.trainer.version
 
     def step(self) -> dict[str, Any] | None:

@@ -27,11 +27,13 @@ def remote_fetch(weights: ray.actor.ActorHandle, holder: int, *, by_reference: b
     """Newer weights from the weights actor, held by `holder`: their arrays (read-only views of the
     object store), or with `by_reference` `[object reference]` (`streamrl.weights.arrays.resolve`)."""
     def fetch(have: int | None, timeout: float) -> tuple[int, Any] | None:
-        got = ray.get(weights.acquire.remote(holder, have, timeout))
+        got = ray.get(weights.acquire.remote(holder, have, timeout, by_reference))
         if got is None:
             return None
-        version, refs = got
-        return version, refs if by_reference else ray.get(refs[0])
+        version, payload = got
+        if by_reference or isinstance(payload, dict):
+            return version, payload  # [ref], or a small version's arrays carried in the answer
+        return version, ray.get(payload[0])
     return fetch
 
 

@@ -112,7 +112,8 @@ def check_model_and_task(config: RunConfig) -> None:
                       max_prompt_tokens=None if positions is None else positions - 1)  # room for one response token
         except (ValueError, FileNotFoundError) as exc:
             raise ConfigError(f"task: {exc}") from exc
-    if config.task.kind == "reverse" and config.model.path is not None:
+    kind = config.task.kind
+    if kind in ("reverse", "long_tail") and config.model.path is not None:
         from transformers import AutoTokenizer
 
         from streamrl.tasks.reverse import CharVocab
@@ -120,12 +121,13 @@ def check_model_and_task(config: RunConfig) -> None:
         ids = AutoTokenizer.from_pretrained(Path(config.model.path).expanduser()).get_vocab()
         expected = {tok: i for i, tok in enumerate(CharVocab().tokens)}
         if any(ids.get(tok) != i for tok, i in expected.items()):
-            raise ConfigError("task.kind = 'reverse' needs the character tokenizer streamrl builds "
+            raise ConfigError(f"task.kind = {kind!r} needs the character tokenizer streamrl builds "
                               f"(model.path {config.model.path!r} maps its characters to other ids)")
-    if config.task.kind == "reverse" and positions is not None:
-        longest = 2 * config.task.digits + 2 + (config.sampling.max_new_tokens or config.task.digits + 2)
+    if kind in ("reverse", "long_tail") and positions is not None:
+        field, digits = ("digits", config.task.digits) if kind == "reverse" else ("max_digits", config.task.max_digits)
+        longest = digits + 2 + (config.sampling.max_new_tokens or digits + 2)  # <bos> digits > | answer <eos>
         if longest > positions:
-            raise ConfigError(f"task.digits={config.task.digits}: sequences of up to {longest} tokens exceed the "
+            raise ConfigError(f"task.{field}={digits}: sequences of up to {longest} tokens exceed the "
                               f"model's max_position_embeddings={positions}")
 
 

@@ -85,3 +85,25 @@ class SimWorkload(SimSection):
         if self.train_s_per_token is not None:
             return self.train_s_per_token
         return 1.0 / self.generation_tokens_per_s()
+
+    def schedule_rates(self, batches: int = 400, seed: int = 0) -> dict[str, float]:
+        """Model-time trained tokens/s of each schedule without any overhead (the model's own ideal): a
+        synchronous step generates a batch, its engines busy until the batch's longest response, then
+        trains on it; one-step overlaps the two (the slower of them); streaming runs at the slower of
+        generation and training alone. Averaged over `batches` batches drawn from the length distribution."""
+        rng = np.random.default_rng(seed)
+        per_engine = self.groups_per_step * self.group_size // self.producers
+        prefill = self.prompt_tokens * self.prefill_per_token_s * per_engine / self.group_size
+        sync = one_step = 0.0
+        tokens = 0
+        for _ in range(batches):
+            generate, batch_tokens = 0.0, 0
+            for _engine in range(self.producers):
+                lengths = self.sample_lengths(rng, per_engine)
+                batch_tokens += int(lengths.sum())
+                active = (lengths[None, :] >= np.arange(1, lengths.max() + 1)[:, None]).sum(axis=1)
+                generate = max(generate, prefill + float(np.sum(self.decode_step_s(active))))
+            train = batch_tokens * self.calibrated_train_s_per_token()
+            sync, one_step, tokens = sync + generate + train, one_step + max(generate, train), tokens + batch_tokens
+        streaming = min(self.generation_tokens_per_s(), 1.0 / self.calibrated_train_s_per_token())
+        return {"sync": tokens / sync, "one_step": tokens / one_step, "async": streaming}

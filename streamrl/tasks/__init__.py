@@ -45,6 +45,10 @@ def make_task(section: TaskSection, tokenizer: PreTrainedTokenizerBase | None = 
         from streamrl.tasks.reverse import ReverseDigits
 
         return ReverseDigits(section.digits, seed=seed)
+    if section.kind == "long_tail":
+        from streamrl.tasks.long_tail import ReverseLongTail
+
+        return ReverseLongTail(section.digits, section.max_digits, section.tail, seed=seed)
     if section.kind == "file":
         from streamrl.tasks.files import FileTask
 

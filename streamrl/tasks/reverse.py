@@ -38,6 +38,17 @@ class CharVocab:
         return "".join(self.tokens[i] if i >= len(SPECIALS) else "" for i in ids)
 
 
+def grade(target: Sequence[int], response_ids: Sequence[int]) -> float:
+    """Fraction of answer positions right (over the longer of answer and target), halved without a
+    final `<eos>`."""
+    response = list(response_ids)
+    ended = EOS in response
+    answer = response[: response.index(EOS)] if ended else response
+    right = sum(a == t for a, t in zip(answer, target))
+    score = right / max(len(target), len(answer))
+    return score if ended else score / 2
+
+
 class ReverseDigits:
     name = "reverse"
 
@@ -69,15 +80,7 @@ class ReverseDigits:
         return self.vocab.encode(f"{number:0{self.digits}d}"[::-1])
 
     def score(self, number: int, response_ids: Sequence[int]) -> float:
-        """Fraction of answer positions right (over the longer of answer and target), halved
-        without a final `<eos>`."""
-        response = list(response_ids)
-        ended = EOS in response
-        answer = response[: response.index(EOS)] if ended else response
-        target = self.target(number)
-        right = sum(a == t for a, t in zip(answer, target))
-        score = right / max(len(target), len(answer))
-        return score if ended else score / 2
+        return grade(self.target(number), response_ids)
 
     @functools.cached_property
     def _held_out(self) -> list[int]:

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
-
 
 class SglangError(RuntimeError):
     """The server answered, with an error."""
@@ -44,7 +42,7 @@ class SglangClient:
         self.url, self.host, self.port = url, parts.hostname or "127.0.0.1", parts.port or 80
         self.api_key = api_key
         self.timeout_s = timeout_s
-        self._session: aiohttp.ClientSession | None = None  # generate_async's, in its event loop
+        self._session = None  # generate_async's aiohttp session, made in its event loop
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
@@ -87,6 +85,8 @@ class SglangClient:
                              top_p: float = 1.0, stop_token_ids: list[int] | None = None, rid: str | None = None,
                              seed: int | None = None) -> Segment:
         """`generate` as a coroutine of the calling event loop (one connection pool per client and loop)."""
+        import aiohttp  # here: the blocking calls (and the GPU smoke test's machine) need no aiohttp
+
         payload = _generate_payload(input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                     stop_token_ids=stop_token_ids, rid=rid, seed=seed)
         if self._session is None:
