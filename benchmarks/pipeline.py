@@ -140,9 +140,9 @@ def run_schedules(launcher: Launcher, engine: str, eta: int, window_s: float, st
     if engine == "sim":
         results.update(sim_ideal(launcher, window_s))
     else:  # the trainer and the engines, each at the rate it kept while it computed
-        results["generation_alone"] = {"tokens_per_s": max(r["generation_compute_tokens_per_s"]
-                                                            for r in results.values())}
-        results["training_alone"] = {"tokens_per_s": max(r["trainer_compute_tokens_per_s"] for r in results.values())}
+        schedules = list(results.values())
+        results["generation_alone"] = {"tokens_per_s": max(r["generation_compute_tokens_per_s"] for r in schedules)}
+        results["training_alone"] = {"tokens_per_s": max(r["trainer_compute_tokens_per_s"] for r in schedules)}
     return results
 
 

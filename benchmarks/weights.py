@@ -3,9 +3,11 @@
     python benchmarks/weights.py --out benchmarks/results/weights.json
 
 For each size and producer count, in the same run:
-  publish_fetch_s  the trainer's path (`publish_weights`: put, announce to the weights actor) until
-                   every producer's background receiver (long poll) has them staged — the real path
+  publish_fetch_s  the trainer's path (`WeightPublisher`: put once, announce to the weights actor, offer to
+                   every subscribed producer) until every producer has them staged — the real path
   put_get_s        one `ray.put` of the same bytes and one `ray.get` in another process (the limit)
+  fanout_s         one `ray.put` and one call to each of as many bare reader processes as there are producers,
+                   each reading it: the least it costs to reach that many processes on this machine
   ready_s          until every producer can switch to them (double-buffered: after the copy into the
                    standby model, which overlaps generation)
   stall_s          what a producer pays at its next decode-step boundary to switch to them, the only
@@ -28,9 +30,9 @@ from rich.table import Table
 from streamrl.benchreport import BASELINES, Target, finish
 from streamrl.runtime.actors import create_actor
 from streamrl.runtime.connect import start_local
-from streamrl.runtime.engines import remote_fetch
+from streamrl.runtime.engines import OFFER_GRACE_S, remote_fetch
 from streamrl.sim.workload import SimWorkload
-from streamrl.weights.actor import WeightsActor, publish_weights
+from streamrl.weights.actor import WeightPublisher, WeightsActor
 from streamrl.weights.receiver import WeightReceiver
 
 RUN = "bench-weights"
@@ -50,7 +52,8 @@ class Subscriber:
             return module
 
         self.model = model()
-        self.receiver = WeightReceiver(remote_fetch(weights, producer_id), poll_s=1.0,
+        self.weights, self.producer_id = weights, producer_id
+        self.receiver = WeightReceiver(remote_fetch(weights, producer_id, grace_s=OFFER_GRACE_S), poll_s=1.0,
                                        standby=model() if double_buffer else None)
         self.receiver.start()
 
@@ -59,6 +62,10 @@ class Subscriber:
         if not self.receiver.wait_newer(version - 1, timeout):
             raise TimeoutError(f"version {version} never arrived")
         return self.receiver.fetched_at, self.receiver.staged_at
+
+    def offer_weights(self, version: int, weights: list) -> None:  # as ProducerActor.offer_weights (torch engine)
+        self.receiver.offer(version, ray.get(weights[0]))
+        ray.get(self.weights.hold.remote(self.producer_id, version))
 
     def apply(self) -> float:
         started = time.perf_counter()
@@ -82,30 +89,40 @@ def measure(nbytes: int, producers: int, repeats: int, double_buffer: bool) -> d
     weights = create_actor(WeightsActor, RUN, "weights", max_concurrency=producers + 4)
     subscribers = [ray.remote(num_cpus=0, max_concurrency=3)(Subscriber).remote(RUN, i, floats, double_buffer)
                    for i in range(producers)]
+    publisher = WeightPublisher(weights)
+    for i, subscriber in enumerate(subscribers):
+        publisher.subscribe(i, subscriber)
     reader = ray.remote(num_cpus=0)(Reader).remote()
+    fanout = [ray.remote(num_cpus=0)(Reader).remote() for _ in range(producers)]
     try:
-        ray.get(publish_weights(weights, 0, arrays))  # warm-up: connections, first fetch
+        publisher.publish(0, arrays)  # warm-up: connections, first fetch
         ray.get([s.arrival.remote(0) for s in subscribers])
         ray.get([s.apply.remote() for s in subscribers])
         ray.get(reader.read.remote([ray.put(arrays)]))
-        publish, ready, put_get, stall = [], [], [], []
+        ray.get([r.read.remote([ray.put(arrays)]) for r in fanout])
+        publish, ready, put_get, stall, fanned = [], [], [], [], []
         for version in range(1, repeats + 1):
             arrays["w"][0] = version  # new contents, same size
             started = time.time()
-            ray.get(publish_weights(weights, version, arrays))
+            publisher.publish(version, arrays)
             fetched, staged = zip(*ray.get([s.arrival.remote(version) for s in subscribers]))
             publish.append(max(fetched) - started)
             ready.append(max(staged) - started)
             stall += ray.get([s.apply.remote() for s in subscribers])
             started = time.time()
             put_get.append(ray.get(reader.read.remote([ray.put(arrays)])) - started)
+            started = time.time()
+            ref = ray.put(arrays)
+            fanned.append(max(ray.get([r.read.remote([ref]) for r in fanout])) - started)
         ray.get([s.stop.remote() for s in subscribers])
     finally:
-        for actor in (weights, reader, *subscribers):
+        for actor in (weights, reader, *subscribers, *fanout):
             ray.kill(actor)
     publish_s, put_get_s = float(np.median(publish)), float(np.median(put_get))
     return {"bytes": nbytes, "producers": producers, "publish_fetch_s": publish_s, "put_get_s": put_get_s,
-            "ratio": publish_s / put_get_s, "ready_s": float(np.median(ready)), "stall_s": float(np.median(stall)),
+            "ratio": publish_s / put_get_s, "fanout_s": float(np.median(fanned)),
+            "ratio_to_fanout": publish_s / float(np.median(fanned)),
+            "ready_s": float(np.median(ready)), "stall_s": float(np.median(stall)),
             "publish_gbps": nbytes / publish_s / 1e9}
 
 
@@ -131,12 +148,14 @@ def main() -> None:
                "max_stall_s": max(r["stall_s"] for r in rows),
                "publish_4_producers_s": {f"{r['bytes'] / 2**20:g}MB": r["publish_fetch_s"] for r in four}}
     table = Table(title="streamrl weight streaming (median of repeats)")
-    for column in ("size", "producers", "publish+fetch", "put+get", "ratio", "ready", "stall/update", "GB/s"):
+    for column in ("size", "producers", "publish+fetch", "put+get", "ratio", "bare fan-out", "vs fan-out", "ready",
+                   "stall/update", "GB/s"):
         table.add_column(column, justify="right")
     for r in rows:
         flag = "" if r["producers"] != 4 else (" ok" if r["ratio"] <= TARGET_RATIO else " MISSED")
         table.add_row(f"{r['bytes'] / 2**20:,.0f} MB", str(r["producers"]), f"{r['publish_fetch_s'] * 1e3:,.1f} ms",
-                      f"{r['put_get_s'] * 1e3:,.1f} ms", f"{r['ratio']:.2f}{flag}", f"{r['ready_s'] * 1e3:,.1f} ms",
+                      f"{r['put_get_s'] * 1e3:,.1f} ms", f"{r['ratio']:.2f}{flag}", f"{r['fanout_s'] * 1e3:,.1f} ms",
+                      f"{r['ratio_to_fanout']:.2f}", f"{r['ready_s'] * 1e3:,.1f} ms",
                       f"{r['stall_s'] * 1e3:,.2f} ms", f"{r['publish_gbps']:.2f}")
     Console(width=150).print(table)
     sim = SimWorkload()

@@ -131,3 +131,40 @@ def test_the_queues_errors_reach_a_remote_caller_as_themselves(ray_local):
     with pytest.raises(LeaseRevoked, match="declared dead"):
         ray.get(queue.admit.remote(0, 1, None, 0.0, lease))
     ray.kill(queue)
+
+
+def test_a_batch_committed_through_the_producers_outbox_survives_its_producer(ray_local):
+    """The producers' own path (`RemoteQueue.commit`: the queue takes the batch from the producer's outbox
+    as the return value of its own call): stored once, owned by the queue, readable after a SIGKILL of
+    the producer right after the commit."""
+    @ray.remote(num_cpus=0, max_concurrency=2)
+    class OutboxProducer:
+        def __init__(self, run_name):
+            from streamrl.buffer.actor import get_queue_actor
+            from streamrl.runtime.actors import RemoteQueue
+
+            self.client = RemoteQueue(get_queue_actor(run_name), 3)
+
+        def take_batch(self, key):
+            return self.client.outbox.take(key)
+
+        def commit_one(self):
+            from streamrl.buffer.synthetic import synthetic_batch
+
+            tickets = self.client.admit(3, 2, timeout=5.0).tickets
+            ids = self.client.commit(synthetic_batch(tickets, 2))
+            assert not self.client.outbox._batches  # taken by the queue: nothing left behind here
+            return ids
+
+        def pid(self):
+            return os.getpid()
+
+    config = QueueConfig(group_size=2, groups_per_step=2, max_staleness=0, max_in_flight=2)
+    queue = create_queue_actor("outbox-test", config)
+    producer = OutboxProducer.remote("outbox-test")
+    committed = ray.get(producer.commit_one.remote())
+    os.kill(ray.get(producer.pid.remote()), signal.SIGKILL)
+    time.sleep(0.5)
+    table = fetch_table(ray.get(queue.get.remote(timeout=10)))
+    assert sorted(set(table.column("group_id").to_pylist())) == sorted(committed) and table.num_rows == 4
+    ray.kill(queue)

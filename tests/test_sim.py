@@ -141,6 +141,7 @@ def test_a_failed_commit_gives_the_groups_back_and_stops_the_producer():
 def test_the_simulator_runs_through_streamrl_launch_within_its_budget(ray_local, tmp_path, eta, admission):
     """`producers.engine = trainer.backend = task.kind = "sim"`: the same driver, actors, queue and stop
     path as a user's run, with the model's arithmetic replaced by the timing model."""
+    from streamrl.chaos.audit import audit_run
     from streamrl.runtime.launch import launch, prepare
 
     sets = ["producers.engine=sim", "trainer.backend=sim", "task.kind=sim", "producers.count=2",
@@ -159,6 +160,12 @@ def test_the_simulator_runs_through_streamrl_launch_within_its_budget(ray_local,
     assert summary["eval_accuracy_last"] is None  # nothing is learned, nothing evaluated
     assert (run_dir.latest_checkpoint() / "trainer" / "trainer.json").is_file()
     assert not (run_dir.path / "model").exists()  # the simulator builds no model
+    # and it resumes from its checkpoint like any run: same versions, nothing lost or trained twice
+    config, opened, checkpoint = prepare(None, ["run.steps=12", "logging.progress=none"], resume=str(run_dir.path))
+    assert launch(config, opened, checkpoint)["steps"] == 12
+    audit = audit_run(run_dir.path)
+    assert audit["steps"] == 12 and audit["steps_in_order"], audit
+    assert audit["groups_lost"] == 0 and audit["groups_duplicated"] == 0, audit
 
 
 def test_groups_that_can_no_longer_be_trained_in_budget_are_stopped_and_given_back():

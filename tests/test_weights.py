@@ -127,29 +127,44 @@ def test_state_arrays_hold_tied_weights_once_and_reject_mismatches(tiny_model_di
 
 
 @pytest.mark.ray
-def test_small_versions_come_back_in_the_long_poll_answer_large_ones_and_by_reference_as_a_reference(
-        ray_local, monkeypatch):
-    """A version of at most INLINE_MAX_BYTES is served by value (no second round trip to resolve a
-    reference); above it, or for a caller that passes the version on (sglang's broadcast), a reference."""
+def test_the_trainer_offers_each_version_to_subscribed_producers_and_forgets_dead_ones(ray_local):
+    """One hop to every running producer (`offer_weights`), the registry still announced (late joiners
+    long-poll it); a producer found dead is unsubscribed, and the registry learns what a producer has."""
     import ray
 
     from streamrl.runtime.actors import create_actor
-    from streamrl.runtime.engines import remote_fetch
-    from streamrl.weights.actor import INLINE_MAX_BYTES, WeightsActor, publish_weights
+    from streamrl.weights.actor import WeightPublisher, WeightsActor
 
-    weights = create_actor(WeightsActor, "inline-test", "weights", max_concurrency=4)
+    @ray.remote(num_cpus=0)
+    class Producer:
+        def __init__(self):
+            self.offers = []
+
+        def offer_weights(self, version, weights):
+            self.offers.append((version, float(ray.get(weights[0])["w"][0])))
+
+        def seen(self):
+            return self.offers
+
+    weights = create_actor(WeightsActor, "offer-test", "weights", max_concurrency=4)
+    alive, doomed = Producer.remote(), Producer.remote()
+    publisher = WeightPublisher(weights)
     try:
-        small = {"w": np.arange(1000, dtype=np.float32)}
-        ray.get(publish_weights(weights, 0, small))
-        version, payload = ray.get(weights.acquire.remote(0, None, 0.0))
-        assert version == 0 and isinstance(payload, dict) and np.array_equal(payload["w"], small["w"])
-        version, payload = ray.get(weights.acquire.remote(1, None, 0.0, True))
-        assert isinstance(payload, list) and isinstance(payload[0], ray.ObjectRef)
-        large = {"w": np.zeros(INLINE_MAX_BYTES // 4 + 1, dtype=np.float32)}
-        ray.get(publish_weights(weights, 1, large))
-        assert isinstance(ray.get(weights.acquire.remote(0, 0, 0.0))[1], list)
-        for by_reference in (False, True):  # the producers' fetch hands back what each path expects
-            version, got = remote_fetch(weights, 2 + by_reference, by_reference=by_reference)(None, 1.0)
-            assert version == 1 and (isinstance(got, list) if by_reference else got["w"].size == large["w"].size)
+        publisher.subscribe(0, alive)
+        publisher.subscribe(1, doomed)
+        publisher.publish(0, {"w": np.zeros(4, np.float32)})
+        ray.get([alive.seen.remote(), doomed.seen.remote()])
+        ray.kill(doomed)
+        publisher.publish(1, {"w": np.ones(4, np.float32)})
+        time.sleep(0.5)
+        publisher.publish(2, {"w": np.full(4, 2.0, np.float32)})  # checks the offers of version 1
+        time.sleep(0.5)
+        assert ray.get(alive.seen.remote()) == [(0, 0.0), (1, 1.0), (2, 2.0)]
+        assert list(publisher._subscribers) == [0]  # the dead one was dropped
+        assert ray.get(weights.acquire.remote(5, None, 1.0))[0] == 2  # a late joiner long-polls the latest
+        assert ray.get(weights.acquire.remote(0, 1, 0.0)) is not None  # and a holder reporting version 1 ...
+        status = ray.get(weights.status.remote())
+        assert status["held"][0] == 2 and status["latest"] == 2  # ... now holds what it was given
     finally:
         ray.kill(weights)
+        ray.kill(alive)

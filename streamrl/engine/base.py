@@ -49,6 +49,9 @@ class EngineWeights(Protocol):
         """At a step boundary: switch to newer weights if they are ready. The seconds the switch held up
         generation, or None when nothing changed."""
 
+    def offer(self, version: int, weights: Any) -> None:
+        """The trainer hands a version over directly (arrays or `[object reference]`); staged if newer."""
+
     def wait_newer(self, than: int | None, timeout: float) -> bool:
         """Block until weights newer than `than` are ready (True) or `timeout` passes (False)."""
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from streamrl.weights.arrays import resolve
 from streamrl.weights.receiver import WeightReceiver
 
 
@@ -43,6 +44,11 @@ class LocalWeights:
             return None
         self.version = version
         return time.perf_counter() - started
+
+    def offer(self, version: int, weights: Any) -> None:
+        """A version handed to this process directly (arrays, or `[object reference]`): staged if newer."""
+        if self.receiver is not None:
+            self.receiver.offer(version, dict(resolve(weights)))
 
     def wait_newer(self, than: int | None, timeout: float) -> bool:
         if self.receiver is None:

@@ -28,7 +28,7 @@ from streamrl import failpoints
 from streamrl.buffer.actor import NAMESPACE, Outbox, fetch_table, get_queue_actor
 from streamrl.buffer.queue import Admission, QueueClosed
 from streamrl.config import RunConfig
-from streamrl.weights.actor import publish_weights
+from streamrl.weights.actor import WeightPublisher
 
 
 def actor_name(run_name: str, role: str) -> str:
@@ -84,6 +84,7 @@ class ProducerActor:
 
             quiet_transformers()
         self.weights = ray.get_actor(actor_name(run_name, "weights"), namespace=NAMESPACE)
+        self.trainer = ray.get_actor(actor_name(run_name, "trainer"), namespace=NAMESPACE)
         engine, task = make_engine(cfg, run_name=run_name, producer_id=producer_id, model_dir=model_dir, seed=seed,
                                    weights=self.weights, search_path=search_path, work_dir=work_dir)
         self.producer = RolloutProducer(producer_id, queue=RemoteQueue(get_queue_actor(run_name), producer_id),
@@ -98,6 +99,8 @@ class ProducerActor:
         """Generate until `stop()` or until the queue closes; returns the producer's statistics. Leaving
         releases the weights version this producer held."""
         try:
+            ray.get(self.trainer.subscribe.remote(self.producer.producer_id,
+                                                  ray.get_runtime_context().current_actor))
             self.producer.run(self._stop)
         except QueueClosed:
             pass  # the run is ending: the queue closed while this producer waited for a slot or committed
@@ -114,6 +117,12 @@ class ProducerActor:
     def take_batch(self, key: int) -> pa.RecordBatch:
         """The queue actor fetching a batch this producer commits (see `RemoteQueue`)."""
         return self.producer.queue.outbox.take(key)
+
+    def offer_weights(self, version: int, weights: list[ray.ObjectRef]) -> None:
+        """The trainer offering a new version directly (`WeightPublisher`): staged now if newer, and the
+        registry told, so that this producer's long poll does not fetch it again."""
+        self.producer.engine.weights.offer(version, weights)
+        ray.get(self.weights.hold.remote(self.producer.producer_id, version))
 
     def status(self) -> dict[str, Any]:
         engine = self.producer.engine
@@ -154,8 +163,8 @@ class TrainerShell:
         self._colocated: list[ray.actor.ActorHandle] | None = None
         self.queue = get_queue_actor(run_name)
         self.weights = ray.get_actor(actor_name(run_name, "weights"), namespace=NAMESPACE)
+        self.publisher = WeightPublisher(self.weights)
         self._cancel = threading.Event()
-        self._last_publish: ray.ObjectRef | None = None
 
     def ready(self) -> int:
         return os.getpid()
@@ -164,16 +173,15 @@ class TrainerShell:
         """Make a step that is still waiting for groups return None (a step already training finishes)."""
         self._cancel.set()
 
-    def publish(self) -> int:
-        """Hand the current weights to the weights actor and return at once (no producer is waited for).
+    def subscribe(self, producer_id: int, producer: ray.actor.ActorHandle) -> None:
+        """A producer asks for every new version to be offered to it directly (`WeightPublisher`)."""
+        self.publisher.subscribe(producer_id, producer)
 
-        The previous publication is awaited first: it has had a whole step to finish, so this costs
-        nothing, keeps versions arriving in order at the (threaded) weights actor, and raises its error."""
-        if self._last_publish is not None:
-            ray.get(self._last_publish)
+    def publish(self) -> int:
+        """Hand the current weights out and return at once: no producer is waited for (the previous
+        publication, which has had a whole step to finish, is checked first)."""
         failpoints.hit("trainer.publish")
-        # put copies before returning: the trainer may change its weights at once
-        self._last_publish = publish_weights(self.weights, self.trainer.version, self.trainer.weights())
+        self.publisher.publish(self.trainer.version, self.trainer.weights())
         return self.trainer.version
 
     def step(self) -> dict[str, Any] | None:

@@ -22,18 +22,20 @@ from streamrl.engine.local_weights import LocalWeights
 from streamrl.tasks import Task
 from streamrl.weights.receiver import WeightReceiver
 
+OFFER_GRACE_S = 0.5  # a version the trainer's offer has not brought after this long is fetched by the long poll
 
-def remote_fetch(weights: ray.actor.ActorHandle, holder: int, *, by_reference: bool = False):
+
+def remote_fetch(weights: ray.actor.ActorHandle, holder: int, *, by_reference: bool = False,
+                 grace_s: float = 0.0):
     """Newer weights from the weights actor, held by `holder`: their arrays (read-only views of the
-    object store), or with `by_reference` `[object reference]` (`streamrl.weights.arrays.resolve`)."""
+    object store), or with `by_reference` `[object reference]` (`streamrl.weights.arrays.resolve`).
+    `grace_s`: the holder is offered versions directly; the long poll fetches only those an offer missed."""
     def fetch(have: int | None, timeout: float) -> tuple[int, Any] | None:
-        got = ray.get(weights.acquire.remote(holder, have, timeout, by_reference))
+        got = ray.get(weights.acquire.remote(holder, have, timeout, grace_s))
         if got is None:
             return None
-        version, payload = got
-        if by_reference or isinstance(payload, dict):
-            return version, payload  # [ref], or a small version's arrays carried in the answer
-        return version, ray.get(payload[0])
+        version, refs = got
+        return version, refs if by_reference else ray.get(refs[0])
     return fetch
 
 
@@ -91,7 +93,8 @@ def make_engine(cfg: RunConfig, *, run_name: str, producer_id: int, model_dir: s
 
 def _receiver(cfg: RunConfig, producer_id: int, weights: ray.actor.ActorHandle, model: Any) -> WeightReceiver:
     standby = copy.deepcopy(model) if cfg.producers.double_buffer else None
-    return WeightReceiver(remote_fetch(weights, producer_id), poll_s=cfg.producers.weight_poll_s, standby=standby)
+    return WeightReceiver(remote_fetch(weights, producer_id, grace_s=OFFER_GRACE_S), poll_s=cfg.producers.weight_poll_s,
+                          standby=standby)
 
 
 def _torch_engine(cfg: RunConfig, producer_id: int, model_dir: str, seed: int, weights: ray.actor.ActorHandle,

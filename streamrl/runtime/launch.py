@@ -248,12 +248,12 @@ class Run:
         trainer_resume = str(self.resume_from / "trainer") if self.resume_from else None
         self.config_dict = config_dict = cfg.model_dump(mode="json")
         self.trainer_group = trainer_placement(cfg)  # tensor-parallel ranks kept on one node
-        # a step and a cancel; with "distributed" weights each producer's group calls (one server at a time:
-        # a broadcast, and the open or close that can overlap a failed one)
+        # a step, a cancel and producers subscribing; with "distributed" weights each producer's group calls
+        # (one server at a time: a broadcast, and the open or close that can overlap a failed one)
         broadcasts = 3 * cfg.producers.count if self.trainer_sends_weights else 0
         self.trainer = create_actor(TrainerActor, self.name, "trainer", self.name, config_dict, str(trainer_model),
                                     trainer_resume, search_path, self.trainer_group, num_cpus=cfg.trainer.num_cpus,
-                                    num_gpus=cfg.trainer.num_gpus, max_concurrency=2 + broadcasts,
+                                    num_gpus=cfg.trainer.num_gpus, max_concurrency=3 + broadcasts,
                                     placement=(self.trainer_group, 0))
         self.actors.append(self.trainer)
         self.model_dir = model_dir
@@ -285,7 +285,7 @@ class Run:
         producer = create_actor(ProducerActor, self.name, role, self.name, pid, self.config_dict, str(self.model_dir),
                                 seed, self.search_path, work_dir, num_cpus=cfg.producers.num_cpus,
                                 num_gpus=cfg.producers.num_gpus,
-                                max_concurrency=4)  # run, and the queue's take_batch beside stop/status
+                                max_concurrency=5)  # run; the queue's take_batch, the trainer's offers, status
         self.actors.append(producer)
         return producer
 

@@ -1,19 +1,20 @@
-"""The weights registry as a Ray actor (no torch: it only holds object references and arrays).
+"""The weights registry as a Ray actor (no torch: it only holds object references), and the trainer's
+side of publishing.
 
 ```
- trainer ──put(arrays)──► object store;  publish(v, [ref], nbytes) ──► WeightsActor
- producer ──acquire(holder, have) (long poll)──► small versions: the arrays in the answer (one hop)
-                                                 large ones (or by_reference): [ref] ─► ray.get
+ trainer: put(arrays) once ──► publish(v, [ref]) ──► WeightsActor (registry: versions kept, long polls)
+                        └────► offer_weights(v, [ref]) ──► every subscribed producer (one hop)
+ producer: long poll acquire(holder, have) ◄── a producer that missed an offer, or started later
 ```
-A version of at most `INLINE_MAX_BYTES` is read once by this actor when it is published and handed out
-by value: a producer's long poll returns the arrays themselves, instead of a reference it must then
-resolve with another round trip to the trainer (three hops of ~5 ms made publish + fetch 3–4.5× one
-put + get at 1–16 MB). Above it the copies dominate and each producer reads the trainer's object
-itself. Producers that pass the version on (sglang's broadcast from the trainer) ask for the reference.
+A version reaches a running producer as a direct offer from the trainer: answering the producers'
+long polls through the weights actor costs a second hop, ~6 ms more with four producers on two cores
+(`benchmarks/weights.py`). The long poll stays for producers that join later or missed an offer, and
+its `have` keeps the registry's record of what each producer holds current.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -21,39 +22,73 @@ import ray
 
 from streamrl.weights.registry import WeightRegistry
 
-INLINE_MAX_BYTES = 64 << 20
-
-
-def publish_weights(weights: ray.actor.ActorHandle, version: int, arrays: dict[str, np.ndarray]) -> ray.ObjectRef:
-    """Put `version`'s arrays in the object store (one copy, owned by the caller) and announce it to the
-    weights actor; returns the announcement's reference (get it to see an error)."""
-    nbytes = sum(array.nbytes for array in arrays.values())
-    return weights.publish.remote(version, [ray.put(arrays)], nbytes)  # in a list: by reference
-
 
 class WeightsActor:
     def __init__(self) -> None:
         self.registry = WeightRegistry()
 
-    def publish(self, version: int, refs: list[ray.ObjectRef], nbytes: int | None = None) -> None:
-        # The trainer put the weights; this actor borrows the reference, so the object lives while the
-        # registry or a producer holds it. If the trainer dies its weights go with it, which costs
-        # nothing: producers keep what they loaded, and a restarted trainer publishes again.
+    def publish(self, version: int, refs: list[ray.ObjectRef]) -> None:
+        # The trainer put the weights (one copy, measured in benchmarks/weights.py); this actor only
+        # borrows the reference, so the object lives while the registry or a producer holds it.
+        # If the trainer dies its weights go with it, which costs nothing: producers keep what they
+        # loaded, and a restarted trainer publishes again from its checkpoint.
         (ref,) = refs
-        inline = ray.get(ref) if nbytes is not None and nbytes <= INLINE_MAX_BYTES else None
-        self.registry.publish(version, (ref, inline))
+        self.registry.publish(version, ref)
 
     def acquire(self, holder: int, have: int | None, timeout: float = 0.0,
-                by_reference: bool = False) -> tuple[int, Any] | None:
-        """(version, arrays) for a small version, else (version, [ref]); `by_reference`: always [ref]."""
-        got = self.registry.acquire(holder, have, timeout)
-        if got is None:
-            return None
-        version, (ref, inline) = got
-        return (version, inline) if inline is not None and not by_reference else (version, [ref])
+                grace_s: float = 0.0) -> tuple[int, list] | None:
+        got = self.registry.acquire(holder, have, timeout, grace_s)
+        return None if got is None else (got[0], [got[1]])  # in a list: the caller receives the reference
+
+    def hold(self, holder: int, version: int) -> None:
+        self.registry.hold(holder, version)
 
     def drop_holder(self, holder: int) -> None:
         self.registry.drop_holder(holder)
 
     def status(self) -> dict[str, Any]:
         return self.registry.status()
+
+
+class WeightPublisher:
+    """The trainer's side: each version put once, announced to the weights actor and offered to every
+    subscribed producer (`offer_weights(version, [ref])` on its actor), never waited for. Each call
+    checks what the previous one started: the announcement's error is raised; a producer whose offer
+    found it dead is unsubscribed (its replacement subscribes again under the same id)."""
+
+    def __init__(self, weights: ray.actor.ActorHandle):
+        self.weights = weights
+        self._lock = threading.Lock()
+        self._subscribers: dict[int, ray.actor.ActorHandle] = {}
+        self._pending: list[tuple[int, ray.actor.ActorHandle, ray.ObjectRef]] = []  # offers not yet returned
+        self._announced: ray.ObjectRef | None = None
+
+    def subscribe(self, producer_id: int, producer: ray.actor.ActorHandle) -> None:
+        with self._lock:
+            self._subscribers[producer_id] = producer
+
+    def publish(self, version: int, arrays: dict[str, np.ndarray]) -> None:
+        """Put `arrays` (a copy: the caller may change its weights at once) and hand `version` out."""
+        self._check()
+        ref = ray.put(arrays)
+        self._announced = self.weights.publish.remote(version, [ref])  # in a list: by reference
+        with self._lock:
+            self._pending += [(pid, producer, producer.offer_weights.remote(version, [ref]))
+                              for pid, producer in self._subscribers.items()]
+
+    def _check(self) -> None:
+        if self._announced is not None:
+            ray.get(self._announced)  # had a whole step to finish; keeps versions in order
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for pid, producer, offer in pending:
+            if not ray.wait([offer], timeout=0)[0]:
+                with self._lock:
+                    self._pending.append((pid, producer, offer))  # still copying into its standby model
+                continue
+            try:
+                ray.get(offer)
+            except ray.exceptions.ActorDiedError:  # the driver replaces it; its long poll serves the new one
+                with self._lock:
+                    if self._subscribers.get(pid) is producer:
+                        del self._subscribers[pid]

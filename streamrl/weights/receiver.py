@@ -2,6 +2,7 @@
 decode-step boundary.
 
 ```
+ offer(version, arrays): the trainer's direct offer, staged at once if newer (one hop)
  poll thread: fetch(have, wait ≤ poll_s) ─► (version, arrays)        (a long poll; overlaps generation)
     double-buffered: copy the arrays into the standby model ─► ready   (still overlapping generation)
     in place:        keep the arrays as `pending`
@@ -40,6 +41,7 @@ class WeightReceiver:
         self._pending: tuple[int, dict[str, np.ndarray]] | None = None  # in place: arrays to copy
         self._standby = standby  # double-buffered: the model the next version is copied into
         self._standby_lock = threading.Lock()  # held while the poll thread writes the standby
+        self._stage_lock = threading.Lock()  # one version staged at a time
         self._standby_version: int | None = None  # version the standby holds once fully written
         self._staged_version = version  # newest version fetched (loaded, pending or in the standby)
         self.version = version  # version of the model in use
@@ -75,20 +77,25 @@ class WeightReceiver:
     def fetch_now(self, timeout: float = 0.0) -> bool:
         """Fetch newer weights, waiting up to `timeout` for them; True when some were staged."""
         got = self._fetch(self._staged_version, timeout)
-        if got is None:
-            return False
-        self.fetched_at = time.time()
-        version, arrays = got
-        if self._standby is not None:
-            with self._standby_lock:  # the generating thread never swaps in a half-written standby
-                load_state_arrays(self._standby, arrays)
-                self._standby_version = version
-        with self._cond:
-            if self._standby is None:
-                self._pending = got
-            self._staged_version = version
-            self.staged_at = time.time()
-            self._cond.notify_all()
+        return got is not None and self.offer(*got)
+
+    def offer(self, version: int, arrays: dict[str, np.ndarray]) -> bool:
+        """Stage `version` if it is newer than what is staged (from the long poll or an offer; thread-safe);
+        True when it was."""
+        with self._stage_lock:  # the poll thread and an offer may bring the same version at once
+            if self._staged_version is not None and version <= self._staged_version:
+                return False
+            self.fetched_at = time.time()
+            if self._standby is not None:
+                with self._standby_lock:  # the generating thread never swaps in a half-written standby
+                    load_state_arrays(self._standby, arrays)
+                    self._standby_version = version
+            with self._cond:
+                if self._standby is None:
+                    self._pending = (version, arrays)
+                self._staged_version = version
+                self.staged_at = time.time()
+                self._cond.notify_all()
         return True
 
     def apply(self, model: torch.nn.Module) -> tuple[torch.nn.Module, int]:

@@ -12,6 +12,7 @@ registry only decides how long it lives. Plain and thread-safe; the Ray actor wr
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 
@@ -22,6 +23,7 @@ class WeightRegistry:
         self._handles: dict[int, Any] = {}
         self._held: dict[int, int] = {}  # holder -> version
         self._latest: int | None = None
+        self._latest_at = 0.0  # monotonic time the latest version was published
         self.released: list[int] = []  # every version dropped so far, oldest first
 
     def publish(self, version: int, handle: Any) -> None:
@@ -29,19 +31,48 @@ class WeightRegistry:
             if self._latest is not None and version <= self._latest:
                 raise ValueError(f"version {version} is not newer than the published version {self._latest}")
             self._handles[version] = handle
-            self._latest = version
+            self._latest, self._latest_at = version, time.monotonic()
             self._collect()
             self._published.notify_all()
 
-    def acquire(self, holder: int, have: int | None = None, timeout: float = 0.0) -> tuple[int, Any] | None:
-        """The newest weights if newer than `have`, now held by `holder`; None when `have` is still the
-        newest after waiting up to `timeout` seconds (a long poll: a new version is seen at once)."""
+    def acquire(self, holder: int, have: int | None = None, timeout: float = 0.0,
+                grace_s: float = 0.0) -> tuple[int, Any] | None:
+        """The newest weights if newer than what `holder` has, now held by it; None when nothing newer came
+        within `timeout` seconds (a long poll: a new version is seen at once). `have` is what the holder
+        has; a holder the trainer offers versions to directly (`hold` records them) sets `grace_s`: a
+        version is answered only once it is that old, so the long poll fetches only what an offer missed."""
+        deadline = time.monotonic() + timeout
         with self._lock:
-            if not self._published.wait_for(lambda: self._newer_than(have), timeout):
-                return None
+            if have is not None and have in self._handles and have >= self._held.get(holder, -1):
+                self._held[holder] = have
+                self._collect()
+            while not self._answerable(holder, have, grace_s):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                if self._newer_than(self._has(holder, have)):  # newer, but an offer may still bring it
+                    remaining = min(remaining, self._latest_at + grace_s - time.monotonic())
+                self._published.wait(max(remaining, 0.0))
             self._held[holder] = self._latest
             self._collect()
             return self._latest, self._handles[self._latest]
+
+    def hold(self, holder: int, version: int) -> None:
+        """`holder` was handed `version` directly (the trainer's offer): its long poll need not fetch it."""
+        with self._lock:
+            if version in self._handles and version >= self._held.get(holder, -1):
+                self._held[holder] = version
+                self._collect()
+                self._published.notify_all()
+
+    def _has(self, holder: int, have: int | None) -> int | None:
+        held = self._held.get(holder)
+        return held if have is None or (held is not None and held > have) else have
+
+    def _answerable(self, holder: int, have: int | None, grace_s: float) -> bool:
+        if have is None:
+            return self._latest is not None  # the first version: at once
+        return self._newer_than(self._has(holder, have)) and time.monotonic() - self._latest_at >= grace_s
 
     def _newer_than(self, have: int | None) -> bool:
         return self._latest is not None and (have is None or have < self._latest)

@@ -91,6 +91,10 @@ class SglangWeights:
             paused, self._unreported_pause = self._unreported_pause, None
         return paused
 
+    def offer(self, version: int, weights: Any) -> None:
+        """Nothing to do: the servers take each version from this producer's long poll, which answers as
+        soon as it is published (a load into a server takes far longer than the hop an offer saves)."""
+
     def wait_newer(self, than: int | None, timeout: float) -> bool:
         with self._cond:
             return self._cond.wait_for(lambda: self.error is not None or than is None or self.version > than,
