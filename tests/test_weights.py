@@ -168,3 +168,20 @@ def test_the_trainer_offers_each_version_to_subscribed_producers_and_forgets_dea
     finally:
         ray.kill(weights)
         ray.kill(alive)
+
+
+def test_an_offer_that_cannot_be_staged_stops_the_producer_not_the_trainer(tiny_model_dir):
+    from streamrl.engine.local_weights import LocalWeights
+
+    model, _ = load_policy(tiny_model_dir)
+    registry = WeightRegistry()
+    registry.publish(0, state_arrays(model))
+    standby, _ = load_policy(tiny_model_dir)  # double-buffered, the default: staging copies into it
+    receiver = WeightReceiver(lambda have, timeout: registry.acquire(0, have, timeout), standby=standby)
+    receiver.fetch_now()
+    weights = LocalWeights(model, receiver)
+    weights.refresh()
+    weights.offer(1, {"model.embed_tokens.weight": np.zeros((2, 2), np.float32)})  # the wrong shape: no raise here
+    with pytest.raises(RuntimeError, match="fetching weights failed") as raised:
+        weights.refresh()
+    assert "does not match the model's" in str(raised.value.__cause__)

@@ -46,9 +46,14 @@ class LocalWeights:
         return time.perf_counter() - started
 
     def offer(self, version: int, weights: Any) -> None:
-        """A version handed to this process directly (arrays, or `[object reference]`): staged if newer."""
-        if self.receiver is not None:
+        """A version handed to this process directly (arrays, or `[object reference]`): staged if newer.
+        A failure stops the producer at its next step (not the caller: the trainer that offered it)."""
+        if self.receiver is None:
+            return
+        try:
             self.receiver.offer(version, dict(resolve(weights)))
+        except BaseException as exc:
+            self.receiver.fail(exc)
 
     def wait_newer(self, than: int | None, timeout: float) -> bool:
         if self.receiver is None:

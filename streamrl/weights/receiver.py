@@ -69,10 +69,15 @@ class WeightReceiver:
         try:
             while not self._stop.is_set():
                 self.fetch_now(self._poll_s)
-        except BaseException as exc:  # recorded and re-raised in the generating thread by `apply`
-            self.error = exc
-            with self._cond:
-                self._cond.notify_all()
+        except BaseException as exc:
+            self.fail(exc)
+
+    def fail(self, exc: BaseException) -> None:
+        """Staging weights failed in another thread (the poll, an offer): re-raised in the generating
+        thread by `apply`, so the producer stops with it."""
+        self.error = exc
+        with self._cond:
+            self._cond.notify_all()
 
     def fetch_now(self, timeout: float = 0.0) -> bool:
         """Fetch newer weights, waiting up to `timeout` for them; True when some were staged."""
