@@ -185,3 +185,32 @@ def test_an_offer_that_cannot_be_staged_stops_the_producer_not_the_trainer(tiny_
     with pytest.raises(RuntimeError, match="fetching weights failed") as raised:
         weights.refresh()
     assert "does not match the model's" in str(raised.value.__cause__)
+
+
+def test_the_first_version_is_waited_for_when_a_newer_one_is_being_written_over_it(tiny_model_dir, monkeypatch):
+    """A resumed trainer can train from its restored queue and offer v + 1 while a new producer is still
+    starting: the standby that held v is being overwritten when the producer first applies. Nothing is in
+    use yet, so it waits for the write (before, it kept a live model with no version and failed with
+    "no weights were published yet")."""
+    import streamrl.weights.receiver as receiver_module
+
+    trainer_model, _ = load_policy(tiny_model_dir)
+    live, _ = load_policy(tiny_model_dir)
+    standby, _ = load_policy(tiny_model_dir)
+    receiver = WeightReceiver(lambda have, timeout: None, standby=standby)
+    assert receiver.offer(2, state_arrays(trainer_model))
+    writing = threading.Event()
+    slow_load = receiver_module.load_state_arrays
+
+    def load_slowly(model, arrays):
+        writing.set()
+        time.sleep(0.3)
+        slow_load(model, arrays)
+
+    monkeypatch.setattr(receiver_module, "load_state_arrays", load_slowly)
+    offer = threading.Thread(target=receiver.offer, args=(3, state_arrays(trainer_model)))
+    offer.start()
+    assert writing.wait(5)
+    model, version = receiver.apply(live)
+    offer.join()
+    assert model is standby and version == 3

@@ -123,8 +123,11 @@ class WeightReceiver:
         ready = self._standby_version
         if ready is None or (self.version is not None and ready <= self.version):
             return live
-        if not self._standby_lock.acquire(blocking=False):
-            return live  # an even newer version is being written: switch at a later step
+        # An even newer version is being written into the standby: keep generating with the live model and
+        # switch at a later step — unless nothing is in use yet (the first version, overwritten by the next
+        # one while it was staged: a resumed trainer can publish again before a new producer has started).
+        if not self._standby_lock.acquire(blocking=self.version is None):
+            return live
         try:
             ready, fresh = self._standby_version, self._standby
             self._standby = live  # the old weights become the buffer for the next version
