@@ -300,6 +300,11 @@ class RunConfig(_Section):
             raise ValueError(f"producers.num_gpus={self.producers.num_gpus:g} is fewer than the "
                              f"{sg.servers * sg.tensor_parallel} GPUs its sglang servers use "
                              "(producers.sglang.servers × producers.sglang.tensor_parallel)")
+        if self.producers.engine == "sglang" and self.sampling.top_p != 1.0:
+            # sglang returns log_softmax(logits / temperature) before top-p: not the behaviour policy's
+            raise ValueError(f"sampling.top_p={self.sampling.top_p:g} with producers.engine = 'sglang': sglang's "
+                             "log-probs are of the distribution before top-p truncation, so they would not be the "
+                             "behaviour log-probs; use top_p = 1 (or the torch engine)")
         if self.producers.engine == "sglang" and sg.weights == "distributed":
             if self.trainer.colocated:  # NCCL refuses a group with two ranks on one device
                 raise ValueError("producers.sglang.weights = 'distributed' sends from the trainer's GPU, which "

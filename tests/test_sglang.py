@@ -107,7 +107,7 @@ def test_a_weight_update_mid_sample_continues_it_and_stamps_every_token_exactly(
         context.append(int(token))
     sequence = [c["path"] for c in calls(server)]
     assert sequence == ["/generate", "/pause_generation", "/update_weights_from_disk", "/update_weight_version",
-                        "/continue_generation", "/generate"]
+                        "/flush_cache", "/continue_generation", "/generate"]
     generates = [c["body"] for c in calls(server) if c["path"] == "/generate"]
     assert generates[1]["input_ids"] == [5, 6, *got.tokens[:switch].tolist()]  # continued, not restarted
     assert generates[1]["sampling_params"]["max_new_tokens"] == 150 - switch
@@ -373,8 +373,13 @@ def test_weights_broadcast_to_each_server_through_its_own_group_arrive_exactly(i
         buckets = [c["body"] for c in calls(servers[0]) if c["path"] == "/update_weights_from_distributed"]
         assert buckets[1]["names"] == ["layer.0.bias", "layer.0.weight", "steps"]
         assert buckets[1]["dtypes"] == ["float16", "float32", "int64"] and buckets[1]["shapes"] == [[32], [32, 16], [1]]
-        # the prefix cache holds KV of the old weights: flushed once per version, with its last bucket
-        assert [b["flush_cache"] for b in buckets] == [False, False, True] * 2
+        # the prefix cache holds KV of the old weights: flushed once per version, after the load and its label
+        assert not any(b["flush_cache"] for b in buckets)
+        # each version inside one weight-update session (sglang >= 0.5.21 refuses loads outside one)
+        session = ["/begin_weight_update", *["/update_weights_from_distributed"] * 3, "/end_weight_update",
+                   "/update_weight_version", "/flush_cache", "/continue_generation"]
+        sequence = [c["path"] for c in calls(servers[0]) if c["path"] != "/generate"]
+        assert sequence == ["/pause_generation", "/init_weights_update_group", *session, "/pause_generation", *session]
     finally:
         groups.close()
         for s in servers:
@@ -384,7 +389,7 @@ def test_weights_broadcast_to_each_server_through_its_own_group_arrive_exactly(i
 def test_weights_by_tensor_handle_reach_each_server_exactly(io):
     """`/update_weights_from_tensor` in sglang's serialised form (base64 of a pickle of (name, tensor)
     pairs; here CPU tensors, on GPUs CUDA IPC handles), one copy per server TP rank, in buckets."""
-    servers = [start_fake("--update-delay-s", "0.0") for _ in range(2)]
+    servers = [start_fake("--update-delay-s", "0.0", "--tp-size", "2") for _ in range(2)]
     try:
         engines = [SglangEngine(SglangClient(s.url), io, server=s) for s in servers]
         for version in (1, 2):
@@ -398,8 +403,12 @@ def test_weights_by_tensor_handle_reach_each_server_exactly(io):
         for server in servers:
             posts = [c["body"] for c in calls(server) if c["path"] == "/update_weights_from_tensor"]
             assert len(posts) == 6 and all(len(p["serialized_named_tensors"]) == 2 for p in posts)  # TP = 2
-            assert [p["flush_cache"] for p in posts] == [False, False, True] * 2
+            assert not any(p["flush_cache"] for p in posts)  # flushed after the label (a load's flush can fail late)
             assert all(p["load_format"] is None for p in posts)
+            sequence = [c["path"] for c in calls(server) if c["path"] != "/generate"]
+            session = ["/pause_generation", "/begin_weight_update", *["/update_weights_from_tensor"] * 3,
+                       "/end_weight_update", "/update_weight_version", "/flush_cache", "/continue_generation"]
+            assert sequence == session * 2
     finally:
         for s in servers:
             s.stop()
@@ -479,8 +488,9 @@ def test_a_restarted_server_gets_a_new_group_and_then_the_next_version(io, serve
         assert server_digest(server) == arrays_digest(mixed_weights(2))
         assert set(sample(engine, [1], max_new_tokens=3).versions) == {2}
         sequence = [c["path"] for c in calls(server) if "weight" in c["path"]]
-        assert sequence == ["/init_weights_update_group"] + ["/update_weights_from_distributed"] * 3 + [
-            "/update_weight_version"] + ["/update_weights_from_distributed"] * 3 + ["/update_weight_version"]
+        session = ["/begin_weight_update", *["/update_weights_from_distributed"] * 3, "/end_weight_update",
+                   "/update_weight_version"]
+        assert sequence == ["/init_weights_update_group", *session, *session]
     finally:
         groups.close()
 
@@ -494,10 +504,215 @@ def test_a_server_that_refuses_a_bucket_raises_at_once_and_the_next_load_opens_a
         distributed_loader(groups, mixed_weights(1), 2560)(client)
         server.restart()  # a new process, outside the old group
         began = time.monotonic()
-        with pytest.raises(SglangError, match="no update group"):
+        with pytest.raises(SglangError, match="Group .* not in"):
             distributed_loader(groups, mixed_weights(2), 2560)(client)
         assert time.monotonic() - began < 10  # not the group's 30 s timeout
         distributed_loader(groups, mixed_weights(2), 2560)(client)  # a failed load dropped the group
         assert groups.opened == 2 and server_digest(server) == arrays_digest(mixed_weights(2))
     finally:
         groups.close()
+
+
+# ---- the stand-in refuses what sglang refuses (read from sglang 0.5.21–0.5.23's source) ---------------------
+
+def post(server: ServerProcess, path: str, body: dict | None = None) -> dict:
+    return SglangClient(server.url).call(path, body or {})
+
+
+def start_sample(engine: SglangEngine, prompt, **kwargs):
+    """A sample running in the background: (thread, result dict)."""
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(got=sample(engine, prompt, **kwargs)))
+    worker.start()
+    return worker, result
+
+
+def test_the_stand_in_refuses_tensor_and_distributed_loads_outside_a_weight_update_session(server):
+    for path, body in [("/update_weights_from_tensor", {"serialized_named_tensors": [""]}),
+                       ("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": []})]:
+        with pytest.raises(SglangError, match="must run between begin_weight_update"):
+            post(server, path, body)
+    with pytest.raises(SglangError, match="no weight-update session is open"):
+        post(server, "/end_weight_update")
+    post(server, "/begin_weight_update")
+    with pytest.raises(SglangError, match="already open"):
+        post(server, "/begin_weight_update")
+    post(server, "/end_weight_update")
+    with pytest.raises(SglangError, match="answered 404"):  # a route sglang does not have
+        SglangClient(server.url).call("/get_weight_version", method="GET")
+
+
+def test_the_stand_in_health_generates_and_a_paused_server_fails_it_while_model_info_answers():
+    server = start_fake("--health-s", "0.5", "--health-timeout-s", "1.5")
+    try:
+        client = SglangClient(server.url)
+        began = time.monotonic()
+        assert client.healthy() and time.monotonic() - began >= 0.5  # a generation, not a ping
+        client.pause_generation()
+        began = time.monotonic()
+        assert not client.healthy() and time.monotonic() - began >= 1.5  # held at the gate, then 503
+        began = time.monotonic()
+        assert client.alive() and time.monotonic() - began < 1.0  # streamrl's liveness: /model_info
+        assert client.model_info()["weight_version"] == "default"
+    finally:
+        server.stop()
+
+
+def test_the_stand_in_pause_blocks_until_nothing_runs_and_a_request_at_its_gate_runs_after_continue(io):
+    server = start_fake("--token-delay-s", "0.01", "--pause-poll-s", "0.5")
+    try:
+        client, engine = SglangClient(server.url), SglangEngine(SglangClient(server.url), io)
+        began = time.monotonic()
+        client.pause_generation()
+        assert time.monotonic() - began < 0.3  # nothing ran: at once
+        client.continue_generation()
+        sample(engine, [1], max_new_tokens=1)  # the client's connection pool is up
+        running, _ = start_sample(engine, [1], max_new_tokens=500)
+        time.sleep(0.2)
+        began = time.monotonic()
+        client.pause_generation()  # aborts the running request, checks again after pause_poll_s
+        assert time.monotonic() - began >= 0.5
+        waiting, result = start_sample(engine, [2], max_new_tokens=5)
+        time.sleep(0.3)
+        client.abort()  # abort-all reaches the scheduler only: not the request at the gate
+        client.update_weight_version(7)
+        client.continue_generation()
+        waiting.join(timeout=10)
+        running.join(timeout=10)
+        assert len(result["got"].tokens) == 5 and set(result["got"].versions) == {7}
+    finally:
+        server.stop()
+
+
+def test_the_stand_in_ends_itself_when_released_while_a_request_runs(io, server):
+    from streamrl.engine.sglang.client import EngineUnreachable
+
+    engine, lost = SglangEngine(SglangClient(server.url), io), []
+
+    def long_sample():
+        try:
+            sample(engine, [1], max_new_tokens=2000)
+        except EngineLost as exc:  # the server ended under it
+            lost.append(exc)
+
+    worker = threading.Thread(target=long_sample)
+    worker.start()
+    time.sleep(0.5)
+    with pytest.raises(EngineUnreachable):
+        post(server, "/release_memory_occupation")  # sglang's idle assertion ends the server
+    server.process.wait(timeout=10)
+    assert not server.alive()
+    worker.join(timeout=30)
+    assert len(lost) == 1
+
+
+def test_the_stand_in_changes_the_weights_then_refuses_a_flush_it_cannot_do(io, server, weights_dir):
+    engine = SglangEngine(SglangClient(server.url), io)
+    worker, _ = start_sample(engine, [1], max_new_tokens=300)
+    time.sleep(0.2)
+    with pytest.raises(SglangError, match="Weights were updated, but the cache was not flushed"):
+        post(server, "/update_weights_from_disk", {"model_path": str(weights_dir), "weight_version": "3"})
+    assert SglangClient(server.url).model_info()["weight_version"] == "3"  # loaded and labelled anyway
+    with pytest.raises(SglangError, match="answered 400"):
+        post(server, "/flush_cache")
+    SglangClient(server.url).abort()
+    worker.join(timeout=30)
+
+
+def test_the_stand_in_refuses_unknown_sampling_keys_and_unsafe_or_sloppy_tensor_payloads(server):
+    import base64
+    import pickle
+
+    with pytest.raises(SglangError, match="Unexpected keyword argument 'top_a'"):
+        post(server, "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "top_a": 0.1}})
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    post(server, "/begin_weight_update")
+    evil = base64.b64encode(pickle.dumps([("w", Exploit())])).decode()
+    with pytest.raises(SglangError, match="Blocked unsafe global"):
+        post(server, "/update_weights_from_tensor", {"serialized_named_tensors": [evil]})
+    with pytest.raises(SglangError, match="answered 400"):  # strict base64: no stray characters
+        post(server, "/update_weights_from_tensor", {"serialized_named_tensors": ["not*base64"]})
+    post(server, "/end_weight_update")
+
+
+def test_every_tp_rank_of_a_server_joins_its_update_group_and_receives_the_weights(io):
+    from streamrl.weights.broadcast import UpdateGroups, distributed_loader
+
+    server = start_fake("--update-delay-s", "0.0", "--tp-size", "2")
+    groups = UpdateGroups(timeout_s=30, tensor_parallel=2)
+    try:
+        engine = SglangEngine(SglangClient(server.url), io, server=server)
+        engine.update_weights(1, distributed_loader(groups, mixed_weights(1), 2560))
+        assert server_digest(server) == arrays_digest(mixed_weights(1))
+        (init,) = [c["body"] for c in calls(server) if c["path"] == "/init_weights_update_group"]
+        assert init["world_size"] == 3 and init["rank_offset"] == 1  # the sender and two server ranks
+        name = init["group_name"]
+        groups.drop(engine.client)  # a failed load drops the group: on the server too
+        with pytest.raises(SglangError, match="does not exist"):
+            engine.client.destroy_weights_update_group(name)
+    finally:
+        groups.close()
+        server.stop()
+
+
+# ---- the client as the real server needs it (each failed before: see the test names) ----------------------
+
+def test_an_update_does_not_wait_for_a_request_parked_at_the_servers_pause_gate(io, weights_dir):
+    """Before, the update waited for every request in flight to come back, aborting again: one parked at
+    the server's gate never does until the server continues, so each such update stalled drain_timeout_s
+    (10 s). It now loads once the pause returns; the parked request runs after, with the new version."""
+    server = start_fake("--token-delay-s", "0.002", "--update-delay-s", "0.0", "--pause-poll-s", "0.2")
+    try:
+        client, engine = SglangClient(server.url), SglangEngine(SglangClient(server.url), io, server=server)
+        client.pause_generation()  # the server paused before this sample reached it (as at an update's start)
+        parked, result = start_sample(engine, [3], max_new_tokens=6)
+        time.sleep(0.3)
+        began = time.monotonic()
+        engine.update_weights(1, disk_loader(str(weights_dir)))
+        assert time.monotonic() - began < 3.0
+        parked.join(timeout=10)
+        assert set(result["got"].versions) == {1} and len(result["got"].tokens) == 6
+    finally:
+        server.stop()
+
+
+def test_a_paused_server_is_alive_and_not_restarted(io, server):
+    """Before, liveness was `/health`, which generates: a paused server looked dead and was restarted."""
+    client = SglangClient(server.url)
+    client.pause_generation()
+    assert client.alive()
+    client.continue_generation()
+
+
+def test_a_server_outside_the_supported_versions_is_refused_at_start():
+    from streamrl.engine.sglang.protocol import check_server_version
+
+    old = start_fake("--sglang-version", "0.5.20")
+    try:
+        with pytest.raises(ValueError, match=r"runs sglang 0.5.20; streamrl speaks the protocol of sglang>=0.5.21,<0.6"):
+            check_server_version(SglangClient(old.url).server_version(), old.url)
+    finally:
+        old.stop()
+    assert check_server_version("0.5.23.post1") == (0, 5, 23) and check_server_version("0.5.21") == (0, 5, 21)
+    with pytest.raises(ValueError):
+        check_server_version("0.6.0")
+
+
+def test_a_generation_with_a_null_log_prob_is_refused_by_name():
+    from streamrl.engine.sglang.client import _segment
+
+    answer = {"meta_info": {"id": "r1", "finish_reason": {"type": "length"}, "weight_version": "2",
+                            "output_token_logprobs": [[-0.5, 4, None], [None, 7, None]]}}
+    with pytest.raises(SglangError, match=r"no log-prob for output tokens \[1\] of request 'r1'"):
+        _segment(answer)
+
+
+def test_top_p_below_one_is_refused_with_sglang():
+    from streamrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="sglang's log-probs are of the distribution before top-p"):
+        load_config(None, ["producers.engine=sglang", "sampling.top_p=0.9"])

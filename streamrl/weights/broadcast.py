@@ -6,12 +6,14 @@
    sender (trainer rank 0): host a TCPStore, join as rank 0 in a thread        ◄─ open_group
    producer: POST /init_weights_update_group (the sender's address, rank_offset 1, world 1 + TP)
    sender: the join completes once the server's ranks are in                   ◄─ joined
- load one version (the engine has paused that server), per bucket:
+ load one version (the engine has paused that server): POST /begin_weight_update, then per bucket:
    producer: POST /update_weights_from_distributed (names, dtypes, shapes) in a thread
-             (the last bucket: flush_cache, the prefix cache was computed by the old weights)
    sender: broadcast each tensor of the bucket from rank 0, in the same order  ◄─ broadcast
    join the POST (its error raises) and the broadcasts (bounded by the group's timeout)
- a failed load drops the group (its state is unknown); a restarted server gets a new one
+ then POST /end_weight_update (sglang ≥ 0.5.21 refuses a load outside the session, without joining
+ the broadcast: the sender's side would wait for peers that never come until the group is closed)
+ a failed load drops the group on both sides (/destroy_weights_update_group: its state is unknown);
+ a restarted server gets a new one
 ```
 The producer drives (it owns the server, its API key and the pause around a load); the sender
 moves the bytes. In a run the sender is the trainer's rank-0 actor (`GroupSender` behind Ray calls),
@@ -41,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from streamrl.engine.sglang.client import SglangClient
+from streamrl.engine.sglang.client import EngineUnreachable, SglangClient, SglangError
 from streamrl.runtime.net import is_loopback
 from streamrl.weights.arrays import read_only_tensors, resolve
 
@@ -273,26 +275,37 @@ class UpdateGroup:
             raise
         self.open_ = True
 
-    def send(self, names: Sequence[str], specs: Sequence[TensorSpec], weights: Any, *,
-             flush_cache: bool = False) -> None:
-        """One bucket: announce it to the server while the sender broadcasts it from `weights`;
-        `flush_cache` (the version's last bucket): the server then drops its prefix cache, computed by
-        the old weights. A refused announcement raises at once; the sender's broadcast then ends with
-        the group, which the caller drops."""
+    def send(self, names: Sequence[str], specs: Sequence[TensorSpec], weights: Any) -> None:
+        """One bucket: announce it to the server while the sender broadcasts it from `weights` (inside
+        the server's weight-update session). A refused announcement raises at once; the sender's
+        broadcast then ends with the group, which the caller drops."""
         if not self.open_:
             raise RuntimeError(f"update group {self.name} is not open")
         post = _Call("update-from-distributed", lambda: self.client.update_weights_from_distributed(
             list(names), [s.dtype for s in specs], [list(s.shape) for s in specs], group_name=self.name,
-            flush_cache=flush_cache, timeout_s=self.timeout_s))
+            timeout_s=self.timeout_s))
         sending = _Call("broadcast", lambda: self.sender.broadcast(self.name, weights, list(names), self.timeout_s))
         post.start()
         sending.start()
         post.result(self.timeout_s + 5.0, f"{self.client.url}/update_weights_from_distributed")
         sending.result(self.timeout_s + 5.0, f"broadcast into {self.name}")
 
-    def close(self) -> None:
-        if self.open_:
-            self.open_ = False
+    def close(self, *, on_server: bool = False) -> None:
+        """Leave the group on the sender's side and, with `on_server`, on the server's (which keeps a
+        group it joined until told: after a failed load, say). A server that died took its group along."""
+        if not self.open_:
+            return
+        self.open_ = False
+        try:
+            if on_server:
+                try:
+                    self.client.destroy_weights_update_group(self.name)
+                except EngineUnreachable:
+                    pass  # the server process is gone, and its side of the group with it
+                except SglangError as exc:  # "does not exist": the server never joined (a new process, say)
+                    if "does not exist" not in str(exc):
+                        raise
+        finally:
             self.sender.close_group(self.name)
 
 
@@ -318,7 +331,7 @@ class UpdateGroups:
             held = self._groups.get(client.url)
         if held is not None and held[0] == generation:
             return held[1]
-        self.drop(client)
+        self.drop(client, on_server=False)  # a restarted server is a new process: it never joined the old group
         group = UpdateGroup(client, self.sender, tensor_parallel=self.tensor_parallel, timeout_s=self.timeout_s,
                             name=self.name, node=self.node)
         group.open()
@@ -327,13 +340,14 @@ class UpdateGroups:
             self.opened += 1
         return group
 
-    def drop(self, client: SglangClient) -> None:
+    def drop(self, client: SglangClient, *, on_server: bool = True) -> None:
         with self._lock:
             held = self._groups.pop(client.url, None)
         if held is not None:
-            held[1].close()
+            held[1].close(on_server=on_server)
 
     def close(self) -> None:
+        """At shutdown: the sender's side only (the servers are being stopped)."""
         with self._lock:
             held, self._groups = list(self._groups.values()), {}
         for _, group in held:
@@ -351,8 +365,9 @@ def distributed_loader(groups: UpdateGroups, weights: Any, bucket_bytes: int) ->
     def load(client: SglangClient) -> None:
         group = groups.get(client)
         try:
-            for i, names in enumerate(buckets):
-                group.send(names, [specs[name] for name in names], weights, flush_cache=i == len(buckets) - 1)
+            with client.weight_update_session():
+                for names in buckets:
+                    group.send(names, [specs[name] for name in names], weights)
         except BaseException:
             groups.drop(client)
             raise

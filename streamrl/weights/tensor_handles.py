@@ -6,7 +6,7 @@ a producer reserves the GPUs of the servers it starts).
  load one version (the engine has paused that server), bucket by bucket:
    arrays ─copy─► each server TP rank's GPU ─pickle (CUDA IPC handles)─► base64 ─► POST, a payload per rank
    the server opens the handles and copies into its weights; the call returns ─► the bucket is freed
- the last bucket asks the server to flush its prefix cache (KV computed by the old weights)
+ all buckets inside one weight-update session (begin … end: sglang ≥ 0.5.21 refuses tensor loads outside)
 ```
 The payload is sglang's `MultiprocessingSerializer` format: base64 of a pickle of `[(name, tensor), …]`
 (`load_format` None). A CUDA tensor is pickled by torch's multiprocessing reductions, so the bytes hold
@@ -53,20 +53,21 @@ def tensor_loader(arrays: Mapping[str, np.ndarray], bucket_bytes: int, *, tensor
 
     def load(client: SglangClient) -> None:
         devices = devices_of(client)
-        for i, names in enumerate(buckets):
-            named = list(zip(names, read_only_tensors(arrays, names)))
-            if devices is None:
-                payloads = [serialize_named_tensors(named)] * tensor_parallel
-            else:
-                copies = [[(name, tensor.to(device)) for name, tensor in named] for device in devices]
-                for device in devices:
-                    torch.cuda.synchronize(device)  # the copies are done before another process reads them
-                payloads = [serialize_named_tensors(copy) for copy in copies]
-            client.update_weights_from_tensor(payloads, flush_cache=i == len(buckets) - 1)
-            del named, payloads  # the server has copied the bucket: its memory can go
-            if devices is not None:
-                del copies
-                torch.cuda.empty_cache()  # back to the server (colocated, the GPU is shared)
-                torch.cuda.ipc_collect()
+        with client.weight_update_session():  # sglang refuses tensor loads outside one
+            for names in buckets:
+                named = list(zip(names, read_only_tensors(arrays, names)))
+                if devices is None:
+                    payloads = [serialize_named_tensors(named)] * tensor_parallel
+                else:
+                    copies = [[(name, tensor.to(device)) for name, tensor in named] for device in devices]
+                    for device in devices:
+                        torch.cuda.synchronize(device)  # the copies are done before another process reads them
+                    payloads = [serialize_named_tensors(copy) for copy in copies]
+                client.update_weights_from_tensor(payloads)
+                del named, payloads  # the server has copied the bucket: its memory can go
+                if devices is not None:
+                    del copies
+                    torch.cuda.empty_cache()  # back to the server (colocated, the GPU is shared)
+                    torch.cuda.ipc_collect()
 
     return load

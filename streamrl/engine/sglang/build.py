@@ -20,6 +20,7 @@ from streamrl.config import RunConfig, SglangSection
 from streamrl.engine.sglang.client import SglangClient
 from streamrl.engine.sglang.engine import EventLoopThread, SglangEngine
 from streamrl.engine.sglang.pool import LoaderFor, SglangPool, SglangWeights
+from streamrl.engine.sglang.protocol import check_server_version
 from streamrl.engine.sglang.server import ServerProcess, ServerSpec
 from streamrl.tasks import Task
 from streamrl.weights.arrays import resolve
@@ -54,6 +55,8 @@ def sglang_engine(cfg: RunConfig, *, producer_id: int, model_dir: str, seed: int
             server.start(wait=False)  # the servers load in parallel
         for server in servers:
             server.wait_healthy()
+            # a server outside the protocol's versions would refuse loads (or accept them differently) later
+            check_server_version(SglangClient(server.url, api_key=server.spec.api_key).server_version(), server.url)
         versions = Path(work_dir or model_dir) / f"weights-producer-{producer_id}"  # "disk" writes here
         loader_for, groups = weight_path(sg, servers, model_dir=model_dir, directory=versions, name=group_prefix,
                                          sender=sender, node=node)

@@ -1,11 +1,13 @@
 """sglang's HTTP endpoints, one method each (token ids in, token ids out).
 
-Shapes follow sglang's `http_server.py` / `io_struct.py`; a non-2xx answer raises `SglangError` with
-the server's message, a server that cannot be reached raises `EngineUnreachable` (the caller restarts it).
-With an API key every request carries `Authorization: Bearer KEY`, which a server started with
-`--api-key` requires (401 without it). Control calls (weights, pause, memory) are blocking, over the
-standard library; `/generate` is also offered as a coroutine (`generate_async`, aiohttp), so that one
-event loop keeps hundreds of samples in flight without a thread each.
+Shapes follow sglang's `http_server.py` / `io_struct.py` for the versions `protocol.SUPPORTED` names (every
+route and field used here is listed in `protocol.py` and checked against the real source by
+`benchmarks/sglang_conformance.py`). A non-2xx answer raises `SglangError` with the server's message, a
+server that cannot be reached raises `EngineUnreachable` (the caller restarts it). With an API key every
+request carries `Authorization: Bearer KEY`, which a server started with `--api-key` requires (401
+without it). Control calls (weights, pause, memory) are blocking, over the standard library; `/generate`
+is also offered as a coroutine (`generate_async`, aiohttp), so that one event loop keeps hundreds of
+samples in flight without a thread each.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import http.client
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -113,21 +117,39 @@ class SglangClient:
     # ---- weights ---------------------------------------------------------------------------------------
     def pause_generation(self, mode: str = "abort") -> None:
         """"abort": running requests end now and return what they made (their callers continue them
-        once generation resumes, with the new weights); new requests wait."""
+        once generation resumes, with the new weights). Blocks until no request holds the engine (the
+        server re-aborts once a second); a request sent meanwhile waits at the server's gate and runs
+        after `continue_generation`."""
         self.call("/pause_generation", {"mode": mode})
 
     def continue_generation(self) -> None:
         self.call("/continue_generation", {})
 
     def update_weight_version(self, version: int | str) -> None:
-        # abort_all_requests defaults to true in sglang; the caller has already paused and drained
+        # abort_all_requests defaults to true in sglang; the caller has already paused
         self.call("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
 
-    def update_weights_from_disk(self, model_path: str, version: int | str | None = None) -> None:
-        payload: dict[str, Any] = {"model_path": model_path, "load_format": "auto"}
-        if version is not None:
-            payload["weight_version"] = str(version)
-        self.call("/update_weights_from_disk", payload)
+    def begin_weight_update(self) -> None:
+        """Open the session that `/update_weights_from_tensor` and `/update_weights_from_distributed`
+        require (sglang ≥ 0.5.21 refuses them outside one); a second begin without an end is refused."""
+        self.call("/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        self.call("/end_weight_update", {})
+
+    @contextmanager
+    def weight_update_session(self) -> Iterator[None]:
+        """begin … end around a version's loads; ended on failure too (an open session refuses the next begin)."""
+        self.begin_weight_update()
+        try:
+            yield
+        finally:
+            self.end_weight_update()
+
+    def update_weights_from_disk(self, model_path: str) -> None:
+        # flush_cache false: sglang flushes after the load and answers 400 when it cannot, with the new
+        # weights already in; the caller flushes on its own, once the version label matches them
+        self.call("/update_weights_from_disk", {"model_path": model_path, "load_format": "auto", "flush_cache": False})
 
     def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str, backend: str = "nccl",
@@ -137,39 +159,47 @@ class SglangClient:
                                                  "rank_offset": rank_offset, "world_size": world_size,
                                                  "group_name": group_name, "backend": backend}, timeout_s=timeout_s)
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
-                                        group_name: str, version: int | str | None = None,
-                                        flush_cache: bool = False, timeout_s: float | None = None) -> None:
-        """Announce one bucket the group's rank 0 broadcasts (each tensor, in this order); it answers
-        once the server has received and loaded them."""
-        payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                                   "flush_cache": flush_cache}
-        if version is not None:
-            payload["weight_version"] = str(version)
-        self.call("/update_weights_from_distributed", payload, timeout_s=timeout_s)
+    def destroy_weights_update_group(self, group_name: str, timeout_s: float = 30.0) -> None:
+        """The server leaves the group (a failed load leaves it joined otherwise)."""
+        self.call("/destroy_weights_update_group", {"group_name": group_name}, timeout_s=timeout_s)
 
-    def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None = None,
-                                   version: int | str | None = None, flush_cache: bool = True) -> None:
-        """Colocated: tensors passed by CUDA IPC handle (serialised by sglang's `MultiprocessingSerializer`)."""
-        payload: dict[str, Any] = {"serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
-                                   "flush_cache": flush_cache}
-        if version is not None:
-            payload["weight_version"] = str(version)
-        self.call("/update_weights_from_tensor", payload)
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+                                        group_name: str, timeout_s: float | None = None) -> None:
+        """Announce one bucket the group's rank 0 broadcasts (each tensor, in this order); it answers
+        once the server has received and loaded them. Inside a weight-update session."""
+        self.call("/update_weights_from_distributed", {"names": names, "dtypes": dtypes, "shapes": shapes,
+                                                       "group_name": group_name, "flush_cache": False},
+                  timeout_s=timeout_s)
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str]) -> None:
+        """Tensors serialised in sglang's `MultiprocessingSerializer` form, one payload per server TP rank
+        (CUDA tensors as IPC handles). Inside a weight-update session."""
+        self.call("/update_weights_from_tensor", {"serialized_named_tensors": serialized_named_tensors,
+                                                  "load_format": None, "flush_cache": False})
 
     # ---- memory (colocated with the trainer, torch-memory-saver) ----------------------------------------
     def release_memory_occupation(self) -> None:
+        """sglang asserts its scheduler is idle (a failed assertion ends the server): pause and flush first."""
         self.call("/release_memory_occupation", {})
 
     def resume_memory_occupation(self) -> None:
         self.call("/resume_memory_occupation", {})
 
+    # ---- state --------------------------------------------------------------------------------------------
+    def model_info(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        return self.call("/model_info", method="GET", timeout_s=timeout_s)
+
     def alive(self) -> bool:
-        """The HTTP server answers (`/health`: liveness only; a paused server is alive but not ready)."""
-        return self._answers("/health", timeout_s=5.0)
+        """The server answers (`/model_info`: it generates nothing, so a paused server is alive too —
+        `/health` runs a generation, which a paused server holds until it reports itself unhealthy)."""
+        return self._answers("/model_info", timeout_s=5.0)
+
+    def server_version(self) -> str:
+        """The sglang version the server runs (`/server_info`)."""
+        return str(self.call("/server_info", method="GET", timeout_s=30.0)["version"])
 
     def flush_cache(self, attempts: int = 50, wait_s: float = 0.1) -> None:
-        """Empty the radix cache; sglang refuses (non-200) while requests are still running, so retry."""
+        """Empty the radix cache; sglang refuses (400) while requests are running or queued, so retry."""
         for _ in range(attempts):
             try:
                 self.call("/flush_cache", {})
@@ -179,7 +209,7 @@ class SglangClient:
         raise SglangError(f"sglang server {self.url}/flush_cache: still busy after {attempts} attempts")
 
     def healthy(self) -> bool:
-        """`/health_generate` (it runs a one-token generation): `/health`'s meaning varies by version."""
+        """`/health_generate`: a one-token generation (≥ 1 s on sglang): ready to generate."""
         return self._answers("/health_generate", timeout_s=30.0)
 
     def _answers(self, path: str, *, timeout_s: float) -> bool:
@@ -208,6 +238,10 @@ def _segment(answer: dict[str, Any]) -> Segment:
     # The tokens come from the log-prob entries [logprob, token_id, text]: some 0.5.x builds prefix
     # `output_ids` with prompt tokens (sglang issues #10896, #17240).
     entries = meta.get("output_token_logprobs") or []
+    missing = [i for i, entry in enumerate(entries) if entry[0] is None]
+    if missing:  # sglang leaves a log-prob null where it did not compute one: no behaviour log-prob to train on
+        raise SglangError(f"sglang returned no log-prob for output tokens {missing[:8]} of request "
+                          f"{meta.get('id')!r}; streamrl needs one for every sampled token")
     return Segment(tokens=[int(entry[1]) for entry in entries], logprobs=[float(entry[0]) for entry in entries],
                    finish=str(meta["finish_reason"]["type"]) if meta.get("finish_reason") else "abort",
                    weight_version=meta.get("weight_version"))

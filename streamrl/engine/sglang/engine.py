@@ -3,20 +3,22 @@ pause that server alone.
 
 ```
  sample (a coroutine on the producer's event loop; hundreds in flight, no thread each):
-          generate(prompt + tokens so far) ─► segment (tokens, log-probs, finish)
+          generate(prompt + tokens so far) ─► segment (tokens, log-probs, finish, the server's weight_version)
             finish = abort (a weight update cut it): continue from where it stopped, with the new weights
-            every token of a segment is stamped with the version the server held while it ran
+            every token of a segment is stamped with the version the server reports for it
  update (the weights thread, blocking):
-          close the gate (no new request) ─► pause_generation(abort) ─► running requests return
-            ─► load the weights ─► update_weight_version ─► continue_generation ─► open the gate
+          close the gate (no new request from here) ─► pause_generation(abort): returns once nothing runs
+            ─► load (tensor and distributed paths: inside begin/end_weight_update) ─► update_weight_version
+            ─► flush_cache ─► continue_generation ─► open the gate
  crash:   a request that cannot reach its server restarts it, reloads the newest weights, and raises
           EngineLost: the caller gives the group's prompt back
- colocated with the trainer: release (pause, drain, free GPU memory) ─► trainer steps ─► resume
+ colocated with the trainer: release (pause, flush, free GPU memory) ─► trainer steps ─► resume
 ```
-No request is in flight while weights load (the update waits until every running request has come
-back), so a segment never spans two versions; a server that reports `weight_version` is checked
-against it. The gate and the in-flight count live on the event loop; the blocking side reaches them
-through `EventLoopThread.call`.
+A request sent just before the gate here closed can reach the server after its pause began: it waits
+at the server's own gate (no abort reaches it there) and runs after the update with the new weights.
+The segment's `weight_version`, which sglang fills in when it answers, says so, so the update need not
+wait for it (before, it waited for every request to come back, up to `drain_timeout_s`). The gate and
+the in-flight count live on the event loop; the blocking side reaches them through `EventLoopThread.call`.
 """
 
 from __future__ import annotations
@@ -84,19 +86,16 @@ class Completion:
 
 class SglangEngine:
     def __init__(self, client: SglangClient, io: EventLoopThread, *, server: ServerProcess | None = None,
-                 version: int = 0, drain_poll_s: float = 0.2, drain_timeout_s: float = 10.0):
+                 version: int = 0):
         if server is not None and client.api_key is None:
             client.api_key = server.spec.api_key  # a client made from the server's URL alone
         self.client, self.server, self.io = client, server, io
         io.on_close(client.close_async)
         self.version = version
-        self.drain_poll_s, self.drain_timeout_s = drain_poll_s, drain_timeout_s
         self.closing = False  # set before the producer stops its servers: a failed request is not a crash
         self._released = False  # colocated: the server gave its GPU memory to the trainer
         self._open = asyncio.Event()  # the gate, on the loop: closed while weights load
         self._open.set()
-        self._idle = asyncio.Event()  # no request in flight
-        self._idle.set()
         self._in_flight = 0  # requests sent and not returned, counted on the loop
         self._update_lock = threading.Lock()  # one update (or release) of this server at a time
         self._restart_lock = threading.Lock()
@@ -117,7 +116,6 @@ class SglangEngine:
         while True:
             await self._open.wait()
             self._in_flight += 1
-            self._idle.clear()
             version, rid = self.version, uuid.uuid4().hex  # fixed width: sglang matches ids by prefix
             try:
                 segment = await self.client.generate_async(
@@ -131,8 +129,6 @@ class SglangEngine:
                 raise
             finally:
                 self._in_flight -= 1
-                if self._in_flight == 0:
-                    self._idle.set()
             version = self._segment_version(segment.weight_version, version)
             segments += 1
             self.stats["segments"] += 1
@@ -154,12 +150,12 @@ class SglangEngine:
             pass  # the request is gone either way: the server died, or it had finished
 
     def _segment_version(self, reported: str | None, submitted: int) -> int:
-        """The version that generated a segment: the server's own `weight_version` (sglang ≥ 0.5.1)
-        when it reports one — exact even for a request that waited out an update at the server's pause
-        gate — else the version loaded when the request was sent (no update runs while one is in flight
-        unless the drain timed out). "default" is the weights the server started with: version 0."""
+        """The version that generated a segment: the server's own `weight_version`, set when it answered
+        — exact even for a request that waited out an update at the server's pause gate. "default" is
+        the weights the server started with: version 0."""
         if reported is None:
-            return submitted
+            raise SglangError(f"{self.client.url} did not report the weight_version of a generation (sent at "
+                              f"version {submitted}); streamrl needs a server that does (sglang >= 0.5.21)")
         if reported == "default":
             if self._loaded is not None and self._loaded[0] != 0:
                 raise SglangError(f"{self.client.url} generated with the weights it started with after streamrl "
@@ -197,8 +193,8 @@ class SglangEngine:
         self._close_gate()
         try:
             self.client.pause_generation("abort")
-            self._drain()
-            self.client.flush_cache()  # release needs an idle scheduler; flush answers 200 only then
+            # sglang asserts an idle scheduler on release (and ends itself if not); flush answers 200 only then
+            self.client.flush_cache()
             self.client.release_memory_occupation()
             self._released = True
         except BaseException:
@@ -228,24 +224,18 @@ class SglangEngine:
         self.io.call(_set(self._open))
 
     def _swap(self, version: int, load: Loader) -> None:
-        self.client.pause_generation("abort")
-        self._drain()
+        self.client.pause_generation("abort")  # returns once no request runs on the server
         load(self.client)
+        self._label(version, load)
+        self.client.continue_generation()
+
+    def _label(self, version: int, load: Loader) -> None:
+        """Name the weights just loaded and drop the KV computed by the old ones (a load's own flush
+        would fail after the weights changed, leaving weights and label apart)."""
         self.client.update_weight_version(version)
         self._loaded = (version, load)
         self.version = version
-        self.client.continue_generation()
-
-    def _drain(self) -> None:
-        """Wait until every running request has returned, aborting again what arrived after the pause.
-        A request parked at the server's pause gate (sent just before the gate here closed) may be out
-        of reach of an abort: after `drain_timeout_s` the update goes on, and that request runs after it
-        with the new weights, which the server's `weight_version` on its answer says."""
-        deadline = time.monotonic() + self.drain_timeout_s
-        while time.monotonic() < deadline:
-            if self.io.call(_wait(self._idle, self.drain_poll_s)):
-                return
-            self.client.abort()
+        self.client.flush_cache()
 
     def _recover(self, cause: BaseException) -> None:
         """Restart a dead server (once, whichever request noticed first) and reload the newest weights
@@ -261,7 +251,7 @@ class SglangEngine:
             if self._loaded is not None:
                 version, load = self._loaded
                 load(self.client)
-                self.client.update_weight_version(version)
+                self._label(version, load)
 
 
 async def _clear(event: asyncio.Event) -> None:
@@ -270,11 +260,3 @@ async def _clear(event: asyncio.Event) -> None:
 
 async def _set(event: asyncio.Event) -> None:
     event.set()
-
-
-async def _wait(event: asyncio.Event, timeout: float) -> bool:
-    try:
-        await asyncio.wait_for(event.wait(), timeout)
-        return True
-    except TimeoutError:
-        return False
