@@ -52,6 +52,9 @@ SERVER_ARGS = "server_args.py"
 ARG_GROUPS = "arg_groups/"
 ARG_FIELDS = "arg_groups/fields/"
 SRT = "sglang/srt/"
+# From 0.5.22 `/generate` first validates its body against this JSON contract (outside sglang/srt/), whose
+# SamplingParams rejects unknown keys: read as if it sat at sglang/srt/../api/v1/api_types.py.
+API_CONTRACT = "../api/v1/api_types.py"
 FLAG = re.compile(r"^--[a-z0-9][a-z0-9-]*$")
 VERBS = ("get", "post", "put", "delete", "patch", "head")
 NOT_A_BODY = {"Request", "Response", "BackgroundTasks", "WebSocket", *vars(builtins)}  # `timeout: float`
@@ -84,15 +87,22 @@ def is_needed(rel: str, response_keys: Mapping[str, Sequence[str]]) -> bool:
 
 def read_wheel(wheel: Path, response_keys: Mapping[str, Sequence[str]] = protocol.RESPONSE_KEYS) -> dict[str, str]:
     with zipfile.ZipFile(wheel) as archive:
-        return {name.removeprefix(SRT): archive.read(name).decode()
-                for name in archive.namelist()
-                if name.startswith(SRT) and is_needed(name.removeprefix(SRT), response_keys)}
+        names = archive.namelist()
+        sources = {name.removeprefix(SRT): archive.read(name).decode()
+                   for name in names if name.startswith(SRT) and is_needed(name.removeprefix(SRT), response_keys)}
+        contract = "sglang/api/v1/api_types.py"
+        if contract in names:
+            sources[API_CONTRACT] = archive.read(contract).decode()
+        return sources
 
 
 def read_tree(root: Path, response_keys: Mapping[str, Sequence[str]] = protocol.RESPONSE_KEYS) -> dict[str, str]:
     srt = root / SRT
     files = (path.relative_to(srt).as_posix() for path in srt.rglob("*.py"))
-    return {rel: (srt / rel).read_text() for rel in files if is_needed(rel, response_keys)}
+    sources = {rel: (srt / rel).read_text() for rel in files if is_needed(rel, response_keys)}
+    if (srt / API_CONTRACT).is_file():
+        sources[API_CONTRACT] = (srt / API_CONTRACT).read_text()
+    return sources
 
 
 def wheel_cache() -> Path:
@@ -338,6 +348,19 @@ def check_stand_in(table: RouteTable, served: Sequence[tuple[str, str]] | None, 
             for f in check_routes(table, {}, routes)]
 
 
+def check_api_contract(sources: Sources, routes: Sequence[protocol.Route], sampling: Sequence[str]) -> list[Finding]:
+    """The `/generate` body and its sampling keys against the JSON contract it is validated by, if any."""
+    if API_CONTRACT not in sources:
+        return []  # before 0.5.22
+    classes = class_fields(parse(sources, API_CONTRACT))
+    generate = next((r for r in routes if r.path == "/generate"), None)
+    fields = [f"GenerateRequest.{name}" for name in (generate.fields if generate else ())]
+    have = {f"GenerateRequest.{name}" for name in classes.get("GenerateRequest", set())}
+    return [*check_present("field", fields, have, "sglang.api.v1.GenerateRequest"),
+            *check_present("sampling_key", sampling, classes.get("SamplingParams", set()),
+                           "sglang.api.v1.SamplingParams (unknown keys rejected)")]
+
+
 def conformance(sources: Sources, served: Sequence[tuple[str, str]] | None, stand_in: str = "tests/fake_sglang.py",
                 routes: Sequence[protocol.Route] = protocol.ROUTES,
                 sampling: Sequence[str] = protocol.SAMPLING_KEYS,
@@ -347,6 +370,7 @@ def conformance(sources: Sources, served: Sequence[tuple[str, str]] | None, stan
     table = route_table(parse(sources, HTTP_SERVER))
     return [*check_routes(table, class_fields(parse(sources, IO_STRUCT)), routes),
             *check_present("sampling_key", sampling, sampling_keys(parse(sources, SAMPLING)), "SamplingParams"),
+            *check_api_contract(sources, routes, sampling),
             *check_present("flag", flags, launch_flags(sources), "server_args.py / arg_groups"),
             *check_response_keys(sources, response_keys),
             *check_stand_in(table, served, stand_in)]

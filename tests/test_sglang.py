@@ -415,9 +415,10 @@ def test_weights_by_tensor_handle_reach_each_server_exactly(io):
 
 
 def test_a_tensor_payload_is_sglangs_serialised_form():
-    """What sglang's `MultiprocessingSerializer.deserialize` reads: base64, then a pickle of pairs."""
+    """What sglang's `MultiprocessingSerializer.deserialize` reads: strict base64, then a pickle of pairs
+    that its allow-list unpickler accepts (the stand-in's, which follows sglang's rule)."""
     import base64
-    import pickle
+    import io as bytes_io
 
     import numpy as np
     import torch
@@ -425,7 +426,8 @@ def test_a_tensor_payload_is_sglangs_serialised_form():
     from streamrl.weights.tensor_handles import serialize_named_tensors
 
     named = [("a.weight", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torch.tensor([1], dtype=torch.int64))]
-    back = pickle.loads(base64.b64decode(serialize_named_tensors(named)))
+    payload = base64.b64decode(serialize_named_tensors(named), validate=True)
+    back = fake.AllowListUnpickler(bytes_io.BytesIO(payload)).load()
     assert [n for n, _ in back] == ["a.weight", "b"]
     assert all(torch.equal(t, u) and t.dtype == u.dtype for (_, t), (_, u) in zip(back, named))
     assert np.array_equal(back[0][1].numpy(), np.arange(6, dtype=np.float32).reshape(2, 3))
@@ -716,3 +718,17 @@ def test_top_p_below_one_is_refused_with_sglang():
 
     with pytest.raises(ConfigError, match="sglang's log-probs are of the distribution before top-p"):
         load_config(None, ["producers.engine=sglang", "sampling.top_p=0.9"])
+
+
+def test_the_sglang_smoke_drives_every_weight_path_through_the_stand_in(tmp_path):
+    """benchmarks/sglang_smoke.py is the GPU check of a real server (benchmarks/gpu_smoke.sh); on CPU it runs
+    the same protocol against the stand-in."""
+    import subprocess
+
+    out = tmp_path / "smoke.json"
+    done = subprocess.run([sys.executable, str(FAKE.parents[1] / "benchmarks" / "sglang_smoke.py"), "--stand-in",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [r["path"] for r in results] == ["disk", "tensor", "distributed"]
+    assert all(r["ok"] and r["versions"] == [1] and r["alive_while_paused"] for r in results)

@@ -202,9 +202,12 @@ def test_the_pinned_sglang_conforms(tmp_path, version):
     assert done.returncode == 0
     assert result["sglang_version"] == version and result["requirement"] == protocol.REQUIREMENT
     assert result["calls_checked"] == len(protocol.ROUTES)
-    assert result["fields_checked"] == sum(len(r.fields) for r in protocol.ROUTES)
+    # from 0.5.22 the /generate body and its sampling keys are also checked against sglang.api.v1's contract
+    contract = protocol.parse_version(version) >= (0, 5, 22)
+    generate_fields = len(protocol.route("/generate").fields)
+    assert result["fields_checked"] == sum(len(r.fields) for r in protocol.ROUTES) + contract * generate_fields
     assert result["flags_checked"] == len(protocol.LAUNCH_FLAGS)
-    assert result["sampling_keys_checked"] == len(protocol.SAMPLING_KEYS)
+    assert result["sampling_keys_checked"] == len(protocol.SAMPLING_KEYS) * (1 + contract)
     assert result["response_keys_checked"] == sum(map(len, protocol.RESPONSE_KEYS.values()))
     assert result["stand_in_routes_checked"] > 0
 
@@ -247,3 +250,14 @@ def test_a_renamed_route_or_field_is_caught(tmp_path):
     assert [(m["what"], m["streamrl"]) for m in mismatches] == [(what, used) for what, used, _ in expected]
     for mismatch, (_, _, named) in zip(mismatches, expected):
         assert named in mismatch["sglang"]  # the renamed thing is named as the closest
+
+
+def test_the_gpu_extra_pins_the_versions_the_protocol_was_read_against():
+    import tomllib
+
+    from streamrl.engine.sglang import protocol
+
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert protocol.REQUIREMENT in extras["gpu"]
+    lowest, refused = protocol.SUPPORTED
+    assert protocol.REQUIREMENT == f"sglang>={'.'.join(map(str, lowest))},<{'.'.join(map(str, refused[:2]))}"
