@@ -190,6 +190,18 @@ class TrainerSection(_Section):
     """Adam's β1, β2, each in [0, 1)."""
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """The learning rate per optimizer step after the warm-up (`streamrl/trainer/schedule.py`); the step
+    count is saved with each checkpoint, so a resumed run continues the schedule exactly."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warm-up from lr / warmup_steps to lr."""
+    lr_decay_steps: int | None = Field(None, ge=1)
+    """The optimizer step at which a cosine or linear decay reaches lr × min_lr_ratio (counted from the
+    start, warm-up included). None: the run's, run.steps × minibatches."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (Hugging Face models, torch backend): less memory,
+    about a third more compute."""
     micro_batch_tokens: int = Field(8192, ge=1)
     """Padded tokens per forward/backward; bounds activation memory (gradients are accumulated)."""
     minibatches: int = Field(1, ge=1)
@@ -260,6 +272,12 @@ class RunConfig(_Section):
     ray: RaySection = RaySection()
     sim: SimSection = SimSection()
 
+    @property
+    def optimizer_steps(self) -> int:
+        """The run's optimizer steps (run.steps × trainer.minibatches): where a decaying learning-rate
+        schedule ends unless trainer.lr_decay_steps says otherwise."""
+        return self.run.steps * self.trainer.minibatches
+
     def sim_workload(self) -> SimWorkload:
         """`[sim]` with the layout the rest of the config gives (producers, G, B)."""
         return SimWorkload(**self.sim.model_dump(), producers=self.producers.count,
@@ -300,6 +318,13 @@ class RunConfig(_Section):
             raise ValueError(f"producers.num_gpus={self.producers.num_gpus:g} is fewer than the "
                              f"{sg.servers * sg.tensor_parallel} GPUs its sglang servers use "
                              "(producers.sglang.servers × producers.sglang.tensor_parallel)")
+        decay = self.trainer.lr_decay_steps or self.optimizer_steps
+        if self.trainer.lr_schedule != "constant" and decay <= self.trainer.warmup_steps:
+            raise ValueError(f"trainer.lr_schedule = {self.trainer.lr_schedule!r} decays after the warm-up, but "
+                             f"trainer.warmup_steps={self.trainer.warmup_steps} reaches the decay's end ({decay} "
+                             "optimizer steps: trainer.lr_decay_steps, else run.steps × trainer.minibatches)")
+        if self.trainer.gradient_checkpointing and self.trainer.backend != "torch":
+            raise ValueError("trainer.gradient_checkpointing needs trainer.backend = 'torch' (Hugging Face models)")
         if self.producers.engine == "sglang" and self.sampling.top_p != 1.0:
             # sglang returns log_softmax(logits / temperature) before top-p: not the behaviour policy's
             raise ValueError(f"sampling.top_p={self.sampling.top_p:g} with producers.engine = 'sglang': sglang's "

@@ -168,7 +168,9 @@ def test_colocated_servers_free_the_gpu_for_every_trainer_step(ray_local, tmp_pa
 
 
 def test_resume_continues_without_losing_or_repeating_a_group(ray_local, tmp_path):
-    first, run_dir = run_tiny(tmp_path, "resumable", "run.steps=4", "queue.max_staleness=2", "producers.count=1")
+    # with a learning-rate schedule across the resume (warm-up, then a cosine decay over all 8 steps)
+    first, run_dir = run_tiny(tmp_path, "resumable", "run.steps=4", "queue.max_staleness=2", "producers.count=1",
+                              "trainer.lr_schedule=cosine", "trainer.warmup_steps=2", "trainer.lr_decay_steps=8")
     saved = load_queue(run_dir.latest_checkpoint() / "queue")
     queued_at_checkpoint = {g.group_id for g in saved.queued_groups()}
     assert queued_at_checkpoint  # the producer ran ahead: there is queued data to carry over
@@ -177,6 +179,10 @@ def test_resume_continues_without_losing_or_repeating_a_group(ray_local, tmp_pat
     second = launch(config, opened, checkpoint)
     metrics = run_dir.read("metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 9)) and second["steps"] == 8
+    from streamrl.trainer.schedule import lr_at
+
+    schedule = dict(lr=1e-3, schedule="cosine", warmup_steps=2, decay_steps=8)
+    assert [m["lr"] for m in metrics] == pytest.approx([lr_at(s, **schedule) for s in range(8)], rel=1e-12)
     groups = run_dir.read("groups.jsonl")
     ids = [g for record in groups for g in record["group_ids"]]
     prompts = [p for record in groups for p in record["prompt_ids"]]

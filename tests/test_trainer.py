@@ -174,3 +174,83 @@ def test_a_non_finite_gradient_in_a_later_minibatch_rolls_the_whole_step_back(ti
     for a, b in zip(before, t.model.parameters()):
         torch.testing.assert_close(a, b)
     assert not t.optimizer.state  # AdamW's moments as before the step: none yet
+
+
+# ---- the learning-rate schedule and activation checkpointing ------------------------------------------------
+
+def test_the_schedule_warms_up_linearly_then_decays_to_its_floor():
+    from streamrl.trainer.schedule import lr_at
+
+    assert [lr_at(s, lr=1.0, warmup_steps=4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cosine = [lr_at(s, lr=2.0, schedule="cosine", warmup_steps=2, decay_steps=6, min_lr_ratio=0.1) for s in range(9)]
+    assert cosine[:3] == [1.0, 2.0, 2.0] and cosine[4] == pytest.approx(0.2 + 1.8 * 0.5)  # half-way: the middle
+    assert cosine[6:] == [pytest.approx(0.2)] * 3 and all(a >= b for a, b in zip(cosine[1:], cosine[2:]))
+    linear = [lr_at(s, lr=1.0, schedule="linear", decay_steps=4) for s in range(6)]
+    assert linear == [1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+    with pytest.raises(ValueError, match="needs decay_steps > warmup_steps"):
+        lr_at(0, lr=1.0, schedule="cosine", warmup_steps=2)
+
+
+def scheduled_trainer(model_dir, minibatches=2):
+    section = TrainerSection(lr=1e-2, lr_schedule="cosine", warmup_steps=2, lr_decay_steps=9, min_lr_ratio=0.1,
+                             minibatches=minibatches)
+    return TorchTrainer(model_dir, trainer=section, loss=LossConfig(name="decoupled_ppo"), group_size=4)
+
+
+def test_a_resumed_trainer_continues_the_schedule_exactly(tiny_model_dir, tmp_path):
+    """3 steps, a checkpoint, a new trainer from it, 2 more steps: the learning rates and weights of an
+    uninterrupted 5-step run (2 optimizer steps a batch: 10 in all, across the warm-up and the decay)."""
+    from streamrl.trainer.schedule import lr_at
+
+    data = [batch(seed=s) for s in range(5)]
+    whole = scheduled_trainer(tiny_model_dir)
+    lrs = [whole.train(d)["lr"] for d in data]
+    first = scheduled_trainer(tiny_model_dir)
+    resumed_lrs = [first.train(d)["lr"] for d in data[:3]]
+    first.save(tmp_path)
+    second = scheduled_trainer(tmp_path / "model")
+    second.load_optimizer(tmp_path)
+    assert second.optimizer_steps == 6 and second.version == 3
+    resumed_lrs += [second.train(d)["lr"] for d in data[3:]]
+    assert resumed_lrs == lrs  # each the rate of the step's last optimizer step
+    schedule = dict(lr=1e-2, schedule="cosine", warmup_steps=2, decay_steps=9, min_lr_ratio=0.1)
+    assert lrs == [lr_at(2 * i + 1, **schedule) for i in range(5)]
+    for a, b in zip(whole.model.parameters(), second.model.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_rolled_back_step_leaves_the_schedule_where_it_was(tiny_model_dir):
+    t = scheduled_trainer(tiny_model_dir)
+    t.train(batch(seed=0))
+    inner, calls = t.loss_fn, []
+
+    def poisoned(policy_batch, **kwargs):  # the second mini-batch's loss is NaN: the whole step rolls back
+        calls.append(1)
+        loss_value, metrics = inner(policy_batch, **kwargs)
+        return (loss_value * float("nan") if len(calls) > 1 else loss_value), metrics
+
+    poisoned.keywords = inner.keywords
+    t.loss_fn = poisoned
+    with pytest.raises(FloatingPointError):
+        t.train(batch(seed=1))
+    assert len(calls) == 2 and t.optimizer_steps == 2 and t.version == 1
+
+
+def test_activation_checkpointing_gives_the_same_update(tiny_model_dir):
+    plain = trainer(tiny_model_dir, lr=1e-2)
+    recomputed = TorchTrainer(tiny_model_dir, trainer=TrainerSection(lr=1e-2, gradient_checkpointing=True),
+                              loss=LossConfig(name="decoupled_ppo"), group_size=4)
+    data = batch(seed=3)
+    assert plain.train(data)["grad_norm"] == pytest.approx(recomputed.train(data)["grad_norm"], rel=1e-5)
+    for a, b in zip(plain.model.parameters(), recomputed.model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_schedule_and_checkpointing_contradictions_are_refused():
+    from streamrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="warmup_steps=50 reaches the decay's end"):
+        load_config(None, ["trainer.lr_schedule=cosine", "trainer.warmup_steps=50", "run.steps=40"])
+    with pytest.raises(ConfigError, match="gradient_checkpointing needs trainer.backend = 'torch'"):
+        load_config(None, ["trainer.gradient_checkpointing=true", "trainer.backend=megatron"])
+    assert load_config(None, ["trainer.lr_schedule=linear", "run.steps=40"]).optimizer_steps == 40

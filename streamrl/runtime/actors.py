@@ -334,7 +334,7 @@ def _make_learner(run_name: str, cfg: RunConfig, config: dict[str, Any], model_d
     `rank_group` (the placement group that keeps them on this node) with the resources the trainer
     reserves each."""
     common = dict(trainer=cfg.trainer, loss=cfg.loss, group_size=cfg.queue.group_size,
-                  temperature=cfg.sampling.temperature, seed=cfg.run.seed)
+                  temperature=cfg.sampling.temperature, seed=cfg.run.seed, lr_horizon=cfg.optimizer_steps)
     if cfg.trainer.backend == "torch":
         from streamrl.trainer.torch_trainer import TorchTrainer
 

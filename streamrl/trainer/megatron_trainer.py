@@ -44,7 +44,7 @@ _BUCKET_ELEMENTS = 1 << 25  # 32 Mi gradient elements (128 MiB in float32) per d
 class MegatronTrainer(TorchTrainer):
     def __init__(self, model_dir: str | Path, *, trainer: TrainerSection, loss: LossConfig, group_size: int,
                  temperature: float = 1.0, version: int = 0, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 master_addr: str = "127.0.0.1", master_port: int | None = None):
+                 master_addr: str = "127.0.0.1", master_port: int | None = None, lr_horizon: int | None = None):
         parallel.initialize(rank=rank, world_size=world_size, tensor_parallel=trainer.tensor_parallel,
                             data_parallel=trainer.data_parallel, pipeline_parallel=trainer.pipeline_parallel,
                             master_addr=master_addr, master_port=master_port,
@@ -63,7 +63,7 @@ class MegatronTrainer(TorchTrainer):
         if missing or unexpected:
             raise RuntimeError(f"converted weights do not fit the megatron model: missing {missing[:4]}, "
                                f"unexpected {unexpected[:4]}")
-        self._setup(trainer, loss, group_size, temperature, version, seed)
+        self._setup(trainer, loss, group_size, temperature, version, seed, lr_horizon)
 
     @property
     def optimizer_file(self) -> str:
@@ -265,7 +265,7 @@ class MegatronTrainer(TorchTrainer):
         if self.tp_rank == 0 and self.pipeline.first:
             model.save_pretrained(directory / "model")
             self.tokenizer.save_pretrained(directory / "model")
-            (directory / "trainer.json").write_text(json.dumps({"version": self.version}))
+            (directory / "trainer.json").write_text(json.dumps(self.progress()))
         torch.save(self.optimizer.state_dict(), directory / self.optimizer_file)
 
     def close(self) -> None:

@@ -40,7 +40,8 @@ class MegatronRank:
         torch.set_num_threads(cfg.trainer.threads)
         self.trainer = MegatronTrainer(model_dir, trainer=cfg.trainer, loss=cfg.loss, group_size=cfg.queue.group_size,
                                        temperature=cfg.sampling.temperature, seed=cfg.run.seed, rank=rank,
-                                       world_size=world_size, master_addr=master_addr, master_port=master_port)
+                                       world_size=world_size, master_addr=master_addr, master_port=master_port,
+                                       lr_horizon=cfg.optimizer_steps)
         if resume_dir is not None:
             self.trainer.load_optimizer(resume_dir)
 

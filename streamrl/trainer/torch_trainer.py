@@ -24,6 +24,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -45,6 +46,7 @@ from streamrl.engine.local_weights import LocalWeights
 from streamrl.engine.torch_engine import TorchEngine
 from streamrl.models.hf import default_device, load_policy
 from streamrl.tasks import Task
+from streamrl.trainer.schedule import lr_at
 from streamrl.weights.arrays import state_arrays
 
 
@@ -73,16 +75,22 @@ def advantages(rewards: torch.Tensor, group_size: int, kind: str) -> torch.Tenso
 
 class TorchTrainer:
     def __init__(self, model_dir: str | Path, *, trainer: TrainerSection, loss: LossConfig, group_size: int,
-                 temperature: float = 1.0, version: int = 0, seed: int = 0):
+                 temperature: float = 1.0, version: int = 0, seed: int = 0, lr_horizon: int | None = None):
         torch.manual_seed(seed)
         self.model, self.tokenizer = load_policy(model_dir, train=True)
         self.model.to(default_device())
-        self._setup(trainer, loss, group_size, temperature, version, seed)
+        if trainer.gradient_checkpointing:
+            _enable_activation_checkpointing(self.model)
+        self._setup(trainer, loss, group_size, temperature, version, seed, lr_horizon)
 
     def _setup(self, trainer: TrainerSection, loss: LossConfig, group_size: int, temperature: float, version: int,
-               seed: int) -> None:
-        """Everything but the model: loss, optimizer over `self.model`'s parameters, version, shuffle."""
+               seed: int, lr_horizon: int | None = None) -> None:
+        """Everything but the model: loss, optimizer over `self.model`'s parameters, version, shuffle.
+        `lr_horizon`: the run's optimizer steps, where a decaying schedule ends unless `lr_decay_steps` says."""
         self.config, self.group_size, self.temperature = trainer, group_size, temperature
+        self.lr_decay_steps = trainer.lr_decay_steps or lr_horizon
+        self.optimizer_steps = 0  # taken so far: the schedule's position, saved with the checkpoint
+        lr_at(0, **self._schedule())  # a decaying schedule without a horizon fails here, not at its first step
         self.loss_name = loss.name
         self.loss_fn = make_loss(loss)
         self.needs_proximal = loss.needs_proximal
@@ -91,6 +99,12 @@ class TorchTrainer:
                                            weight_decay=trainer.weight_decay)
         self.version = version
         self._rng = np.random.default_rng(seed)  # the mini-batch shuffle
+
+    def _schedule(self) -> dict[str, Any]:
+        c = self.config
+        return {"lr": c.lr, "schedule": c.lr_schedule, "warmup_steps": c.warmup_steps,
+                "decay_steps": self.lr_decay_steps if c.lr_schedule != "constant" else None,
+                "min_lr_ratio": c.min_lr_ratio}
 
     def _token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[n, w − 1] log-probs of tokens 1..w−1 (right padding: default positions are right)."""
@@ -111,7 +125,7 @@ class TorchTrainer:
         proximal = None if len(parts) == 1 or not self.needs_proximal else self._proximal_logprobs(
             batch, lengths, np.sort(np.concatenate([self._shard(rows) for rows in parts])))
         saved = None if len(parts) == 1 else (_host_copy(self.model.state_dict()),  # host memory, not the GPU's
-                                              _host_copy(self.optimizer.state_dict()))
+                                              _host_copy(self.optimizer.state_dict()), self.optimizer_steps)
         self.model.train()
         totals: dict[str, float] = {}
         grad_norms = []
@@ -124,11 +138,13 @@ class TorchTrainer:
                 if saved is not None:  # earlier mini-batches of this step were applied: undo them
                     self.model.load_state_dict(saved[0])
                     self.optimizer.load_state_dict(saved[1])
+                    self.optimizer_steps = saved[2]
                 raise
         self.version += 1
         totals = self._reduce_metrics(totals)
         totals.update(grad_norm=float(np.mean(grad_norms)), response_tokens=tokens, trained_tokens=int(lengths.sum()),
-                      samples=len(lengths), optimizer_steps=len(parts), train_s=time.perf_counter() - start)
+                      samples=len(lengths), optimizer_steps=len(parts), lr=self._lr_used,
+                      train_s=time.perf_counter() - start)
         return totals
 
     def _minibatch_rows(self, rows: int) -> list[np.ndarray]:
@@ -213,7 +229,11 @@ class TorchTrainer:
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm at version {self.version}; the step was not taken")
+        self._lr_used = lr_at(self.optimizer_steps, **self._schedule())
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr_used
         self.optimizer.step()
+        self.optimizer_steps += 1
         return float(grad_norm)
 
     optimizer_file = "optimizer.pt"
@@ -273,13 +293,35 @@ class TorchTrainer:
         self.hf_model().save_pretrained(directory / "model")
         self.tokenizer.save_pretrained(directory / "model")
         torch.save(self.optimizer.state_dict(), directory / self.optimizer_file)
-        (directory / "trainer.json").write_text(json.dumps({"version": self.version}))
+        (directory / "trainer.json").write_text(json.dumps(self.progress()))
+
+    def progress(self) -> dict[str, Any]:
+        """What trainer.json records beside the weights and optimizer state: the version, the schedule's
+        position and the mini-batch shuffle's generator (a resumed run splits its batches as an
+        uninterrupted one would)."""
+        return {"version": self.version, "optimizer_steps": self.optimizer_steps,
+                "shuffle": self._rng.bit_generator.state}
 
     def load_optimizer(self, directory: str | Path) -> None:
-        """Restore the optimizer and version saved next to the model this trainer was built from."""
+        """Restore the optimizer, version and schedule position saved next to the model this trainer
+        was built from."""
         directory = Path(directory)
         self.optimizer.load_state_dict(torch.load(directory / self.optimizer_file, weights_only=True))
-        self.version = json.loads((directory / "trainer.json").read_text())["version"]
+        saved = json.loads((directory / "trainer.json").read_text())
+        self.version = saved["version"]
+        # checkpoints written before schedules: every step took `minibatches` optimizer steps
+        self.optimizer_steps = saved.get("optimizer_steps", self.version * self.config.minibatches)
+        if "shuffle" in saved:
+            self._rng.bit_generator.state = saved["shuffle"]
+
+
+def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each layer's activations in the backward pass (the name changed in transformers 5.x)."""
+    kwargs = {"use_reentrant": False}  # the non-reentrant form works with inputs that need no gradient
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _host_copy(state):
