@@ -64,7 +64,8 @@ ROUTES = (
     Route("GET", "/health_generate", None),  # readiness at start-up: one generated token
 )
 
-# sglang/srt/sampling/sampling_params.py: SamplingParams (unknown keys are refused from 0.5.22 on)
+# sglang/srt/sampling/sampling_params.py: SamplingParams; from 0.5.22 `/generate` is first validated against
+# sglang/api/v1/api_types.py, whose SamplingParams refuses unknown keys (400)
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "skip_special_tokens",
                  "no_stop_trim", "sampling_seed")
 
