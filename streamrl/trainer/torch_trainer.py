@@ -90,7 +90,7 @@ class TorchTrainer:
         self.config, self.group_size, self.temperature = trainer, group_size, temperature
         self.lr_decay_steps = trainer.lr_decay_steps or lr_horizon
         self.optimizer_steps = 0  # taken so far: the schedule's position, saved with the checkpoint
-        lr_at(0, **self._schedule())  # a decaying schedule without a horizon fails here, not at its first step
+        lr_at(0, **self._lr_schedule())  # a decaying schedule without a horizon fails here, not at its first step
         self.loss_name = loss.name
         self.loss_fn = make_loss(loss)
         self.needs_proximal = loss.needs_proximal
@@ -100,7 +100,7 @@ class TorchTrainer:
         self.version = version
         self._rng = np.random.default_rng(seed)  # the mini-batch shuffle
 
-    def _schedule(self) -> dict[str, Any]:
+    def _lr_schedule(self) -> dict[str, Any]:
         c = self.config
         return {"lr": c.lr, "schedule": c.lr_schedule, "warmup_steps": c.warmup_steps,
                 "decay_steps": self.lr_decay_steps if c.lr_schedule != "constant" else None,
@@ -229,7 +229,7 @@ class TorchTrainer:
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm at version {self.version}; the step was not taken")
-        self._lr_used = lr_at(self.optimizer_steps, **self._schedule())
+        self._lr_used = lr_at(self.optimizer_steps, **self._lr_schedule())
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr_used
         self.optimizer.step()
