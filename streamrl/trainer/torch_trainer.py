@@ -143,7 +143,8 @@ class TorchTrainer:
         self.version += 1
         totals = self._reduce_metrics(totals)
         totals.update(grad_norm=float(np.mean(grad_norms)), response_tokens=tokens, trained_tokens=int(lengths.sum()),
-                      samples=len(lengths), optimizer_steps=len(parts), lr=self._lr_used,
+                      samples=len(lengths), optimizer_steps=len(parts),
+                      lr=lr_at(self.optimizer_steps - 1, **self._lr_schedule()),  # the step's last optimizer step
                       train_s=time.perf_counter() - start)
         return totals
 
@@ -229,9 +230,9 @@ class TorchTrainer:
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm at version {self.version}; the step was not taken")
-        self._lr_used = lr_at(self.optimizer_steps, **self._lr_schedule())
+        lr = lr_at(self.optimizer_steps, **self._lr_schedule())
         for group in self.optimizer.param_groups:
-            group["lr"] = self._lr_used
+            group["lr"] = lr
         self.optimizer.step()
         self.optimizer_steps += 1
         return float(grad_norm)
