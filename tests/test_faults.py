@@ -84,7 +84,7 @@ def test_an_sglang_producer_killed_after_a_commit_is_replaced_and_the_trainer_se
     # when the producer died, and nothing was left to replace).
     directory = armed("producer.after_commit=kill@6")
     launcher = json.dumps([sys.executable, os.path.join(os.path.dirname(__file__), "fake_sglang.py"),
-                           "--token-delay-s", "0.001", "--update-delay-s", "0.01"])
+                           "--token-delay-s", "0.001", "--update-delay-s", "0.01", "--pause-poll-s", "0.05"])
     summary, run_dir = run_tiny(tmp_path, "sglang-death", "run.steps=8", "producers.engine=sglang",
                                 "producers.count=1", f"producers.sglang.launcher={launcher}",
                                 "producers.sglang.servers=2", "producers.sglang.base_port=31760",

@@ -113,8 +113,10 @@ def test_the_megatron_trainer_runs_a_launch_and_resumes_from_its_own_checkpoint(
 
 @pytest.mark.parametrize("weights", ["disk", "distributed", "tensor"])
 def test_sglang_producers_run_a_launch_through_stand_in_servers(ray_local, tmp_path, weights):
+    # sglang's pause re-checks once a second (tested on its own in test_sglang.py); a 4-step run needs faster
+    # updates to load 3 versions into each of two servers in turn
     fake, log = os.path.join(os.path.dirname(__file__), "fake_sglang.py"), tmp_path / "calls.log"
-    launcher = json.dumps([sys.executable, fake, "--token-delay-s", "0.001", "--update-delay-s", "0.01",
+    launcher = json.dumps([sys.executable, fake, "--token-delay-s", "0.001", "--update-delay-s", "0.01", "--pause-poll-s", "0.05",
                            "--calls-log", str(log)])
     summary, run_dir = run_tiny(tmp_path, "sgl", "run.steps=4", "producers.engine=sglang", "producers.count=1",
                                 f"producers.sglang.launcher={launcher}", "producers.sglang.servers=2",
@@ -150,7 +152,7 @@ def test_sglang_producers_run_a_launch_through_stand_in_servers(ray_local, tmp_p
 
 def test_colocated_servers_free_the_gpu_for_every_trainer_step(ray_local, tmp_path):
     fake, log = os.path.join(os.path.dirname(__file__), "fake_sglang.py"), tmp_path / "calls.log"
-    launcher = json.dumps([sys.executable, fake, "--token-delay-s", "0.001", "--update-delay-s", "0.01",
+    launcher = json.dumps([sys.executable, fake, "--token-delay-s", "0.001", "--update-delay-s", "0.01", "--pause-poll-s", "0.05",
                            "--calls-log", str(log)])
     summary, run_dir = run_tiny(tmp_path, "coloc", "run.steps=3", "producers.engine=sglang", "producers.count=1",
                                 f"producers.sglang.launcher={launcher}", "producers.sglang.memory_saver=true",
