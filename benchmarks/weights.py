@@ -64,8 +64,8 @@ class Subscriber:
         return self.receiver.fetched_at, self.receiver.staged_at
 
     def offer_weights(self, version: int, weights: list) -> None:  # as ProducerActor.offer_weights (torch engine)
-        self.receiver.offer(version, ray.get(weights[0]))
-        ray.get(self.weights.hold.remote(self.producer_id, version))
+        if self.receiver.offer(version, ray.get(weights[0])):  # accept_offer's rule, without LocalWeights
+            ray.get(self.weights.hold.remote(self.producer_id, version))
 
     def apply(self) -> float:
         started = time.perf_counter()

@@ -214,3 +214,36 @@ def test_the_first_version_is_waited_for_when_a_newer_one_is_being_written_over_
     model, version = receiver.apply(live)
     offer.join()
     assert model is standby and version == 3
+
+
+def test_a_version_offered_while_sglang_servers_load_the_one_before_still_reaches_them():
+    """sglang servers take versions only from their long poll; an offer of version 2 during the load of
+    version 1 used to be recorded as held, so the poll then waited for version 3 — forever when the
+    trainer was waiting for this very producer's groups (a replaced producer, in CI)."""
+    from streamrl.engine.base import accept_offer
+    from streamrl.engine.sglang.pool import SglangWeights
+
+    loading = threading.Event()
+
+    class SlowServer:  # what SglangWeights asks of an engine: its version, and a load that takes a while
+        version = 0
+
+        def update_weights(self, version, load):
+            loading.set()
+            time.sleep(0.3)
+            self.version = version
+            return 0.3
+
+    registry = WeightRegistry()
+    registry.publish(1, "v1")
+    weights = SglangWeights([SlowServer()], lambda have, timeout: registry.acquire(7, have, timeout),
+                            lambda version, handle: None, poll_s=0.1)
+    weights.start()
+    try:
+        assert loading.wait(10)
+        registry.publish(2, "v2")
+        assert not accept_offer(weights, 2, "v2", lambda version: registry.hold(7, version))
+        assert weights.wait_newer(1, timeout=5), "version 2 never reached the servers"
+        assert weights.version == 2
+    finally:
+        weights.stop()

@@ -15,7 +15,7 @@ any step (their prompt is then generated again elsewhere).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -49,13 +49,25 @@ class EngineWeights(Protocol):
         """At a step boundary: switch to newer weights if they are ready. The seconds the switch held up
         generation, or None when nothing changed."""
 
-    def offer(self, version: int, weights: Any) -> None:
-        """The trainer hands a version over directly (arrays or `[object reference]`); staged if newer."""
+    def offer(self, version: int, weights: Any) -> bool:
+        """The trainer hands a version over directly (arrays or `[object reference]`); staged if newer.
+        True when this offer staged it: only then does it count as held (the registry is told, and the
+        long poll no longer waits for it)."""
 
     def wait_newer(self, than: int | None, timeout: float) -> bool:
         """Block until weights newer than `than` are ready (True) or `timeout` passes (False)."""
 
     def status(self) -> dict[str, Any]: ...
+
+
+def accept_offer(weights: EngineWeights, version: int, handle: Any, hold: Callable[[int], Any]) -> bool:
+    """A version the trainer offered: staged by `weights` if it takes offers and the version is newer,
+    and only then recorded as held (`hold(version)`, the registry's), so that the long poll stops
+    waiting for it. True when taken."""
+    taken = weights.offer(version, handle)
+    if taken:
+        hold(version)
+    return taken
 
 
 class Engine(Protocol):

@@ -45,15 +45,16 @@ class LocalWeights:
         self.version = version
         return time.perf_counter() - started
 
-    def offer(self, version: int, weights: Any) -> None:
-        """A version handed to this process directly (arrays, or `[object reference]`): staged if newer.
-        A failure stops the producer at its next step (not the caller: the trainer that offered it)."""
+    def offer(self, version: int, weights: Any) -> bool:
+        """A version handed to this process directly (arrays, or `[object reference]`): staged if newer
+        (True). A failure stops the producer at its next step (not the caller: the trainer that offered it)."""
         if self.receiver is None:
-            return
+            return False
         try:
-            self.receiver.offer(version, dict(resolve(weights)))
+            return self.receiver.offer(version, dict(resolve(weights)))
         except BaseException as exc:
             self.receiver.fail(exc)
+            return False
 
     def wait_newer(self, than: int | None, timeout: float) -> bool:
         if self.receiver is None:

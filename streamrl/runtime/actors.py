@@ -28,6 +28,7 @@ from streamrl import failpoints
 from streamrl.buffer.actor import NAMESPACE, Outbox, fetch_table, get_queue_actor
 from streamrl.buffer.queue import Admission, QueueClosed
 from streamrl.config import RunConfig
+from streamrl.engine.base import accept_offer
 from streamrl.weights.actor import WeightPublisher
 
 
@@ -119,10 +120,10 @@ class ProducerActor:
         return self.producer.queue.outbox.take(key)
 
     def offer_weights(self, version: int, weights: list[ray.ObjectRef]) -> None:
-        """The trainer offering a new version directly (`WeightPublisher`): staged now if newer, and the
-        registry told, so that this producer's long poll does not fetch it again."""
-        self.producer.engine.weights.offer(version, weights)
-        ray.get(self.weights.hold.remote(self.producer.producer_id, version))
+        """The trainer offering a new version directly (`WeightPublisher`): staged now if newer, and then
+        the registry told, so that this producer's long poll does not fetch it again."""
+        accept_offer(self.producer.engine.weights, version, weights,
+                     lambda held: ray.get(self.weights.hold.remote(self.producer.producer_id, held)))
 
     def status(self) -> dict[str, Any]:
         engine = self.producer.engine

@@ -91,9 +91,12 @@ class SglangWeights:
             paused, self._unreported_pause = self._unreported_pause, None
         return paused
 
-    def offer(self, version: int, weights: Any) -> None:
-        """Nothing to do: the servers take each version from this producer's long poll, which answers as
-        soon as it is published (a load into a server takes far longer than the hop an offer saves)."""
+    def offer(self, version: int, weights: Any) -> bool:
+        """Not taken (False): the servers take each version from this producer's long poll, which answers
+        as soon as it is published (a load into a server takes far longer than the hop an offer saves).
+        Counting an offer as held would hide that version from the long poll: a producer busy loading
+        the one before would then wait for a version after it, forever if the trainer waits for it."""
+        return False
 
     def wait_newer(self, than: int | None, timeout: float) -> bool:
         with self._cond:
