@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import importlib.util
 import json
 import math
 import tomllib
@@ -60,6 +61,15 @@ class ModelSection(_Section):
     num_heads: int = Field(4, ge=1)
     intermediate_size: int = Field(256, ge=8)
     max_positions: int = Field(64, ge=8)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute precision of the torch sampler and the torch trainer. bfloat16: the sampler holds its
+    weights in bf16; the trainer keeps float32 weights and optimizer state and runs its forward and
+    backward under bf16 autocast. Log-probs are float32 either way. float16 is not offered: it needs
+    loss scaling, which the trainer does not do (use bfloat16). sglang servers take `--dtype` in
+    `producers.sglang.extra_args`."""
+    attention: Literal["eager", "sdpa", "flash_attention_2"] = "eager"
+    """The Hugging Face attention kernel (sampler and torch trainer): eager is fastest for small models
+    on CPU; sdpa for larger ones; flash_attention_2 needs the flash-attn package, a GPU and bfloat16."""
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> ModelSection:
@@ -283,6 +293,21 @@ class RunConfig(_Section):
         return SimWorkload(**self.sim.model_dump(), producers=self.producers.count,
                            group_size=self.queue.group_size, groups_per_step=self.queue.groups_per_step)
 
+    def _precision_fits(self) -> None:
+        model = self.model
+        if model.dtype != "float32" and self.trainer.backend == "megatron":
+            # megatron's tensor-parallel layers run their own backward, which autocast does not reach:
+            # bf16 there needs megatron's mixed-precision optimizer, which streamrl does not build yet
+            raise ValueError(f"model.dtype = {model.dtype!r} with trainer.backend = 'megatron': the megatron "
+                             "trainer trains in float32 only; use the torch trainer, or model.dtype = 'float32'")
+        if model.attention == "flash_attention_2":
+            if importlib.util.find_spec("flash_attn") is None:
+                raise ValueError("model.attention = 'flash_attention_2' needs the flash-attn package, which is "
+                                 "not installed; use 'sdpa'")
+            if model.dtype == "float32":
+                raise ValueError("model.attention = 'flash_attention_2' runs in bfloat16 only: set "
+                                 "model.dtype = 'bfloat16', or use 'sdpa'")
+
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
         task, queue = self.task, self.queue
@@ -323,6 +348,7 @@ class RunConfig(_Section):
             raise ValueError(f"trainer.lr_schedule = {self.trainer.lr_schedule!r} decays after the warm-up, but "
                              f"trainer.warmup_steps={self.trainer.warmup_steps} reaches the decay's end ({decay} "
                              "optimizer steps: trainer.lr_decay_steps, else run.steps × trainer.minibatches)")
+        self._precision_fits()
         if self.trainer.gradient_checkpointing and self.trainer.backend != "torch":
             raise ValueError("trainer.gradient_checkpointing needs trainer.backend = 'torch' (Hugging Face models)")
         if self.producers.engine == "sglang" and self.sampling.top_p != 1.0:

@@ -49,6 +49,9 @@ def test_toml_file_plus_overrides_and_round_trip(tmp_path):
     (["model.hidden_size=130"], r"hidden_size=130 is not divisible by num_heads=4"),
     (["run.name=bad name!"], r"run\.name: String should match pattern"),
     (["queue.max_staleness=0", "queue.max_in_flight=2"], r"a synchronous step could never be filled"),
+    (["model.dtype=float16"], r"model\.dtype: Input should be 'float32' or 'bfloat16'"),
+    (["model.dtype=bfloat16", "trainer.backend=megatron"], r"the megatron trainer trains in float32 only"),
+    (["model.attention=flash_attention_2", "model.dtype=bfloat16"], r"needs the flash-attn package"),
 ])
 def test_bad_values_name_the_field_and_the_value(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -181,6 +181,25 @@ def test_metrics_ess_truncation_and_staleness():
     assert float(metrics["kl_behavior_proximal"]) == pytest.approx(float((r - 1 - torch.log(r)).mean()), rel=1e-9)
 
 
+@pytest.mark.parametrize("name", ["decoupled_ppo", "ppo_bypass"])
+def test_the_mismatch_is_measured_on_the_trainers_own_versions_tokens_only(name):
+    """Tokens sampled by the trainer's current version (age 0) carry the train/inference gap; older ones
+    also carry the policy's change and must not count."""
+    theta, b, p, adv, mask = make_batch(prox_shift=0.6)
+    versions = torch.randint(4, 7, (N, T))
+    current = mask & (versions == 6)
+    trainer_side = p if name == "decoupled_ppo" else theta.detach()  # what the loss compares b with
+    gap = trainer_side - b
+    _, metrics = LOSSES[name](PolicyBatch(theta.detach().clone().requires_grad_(), b, adv, mask,
+                                          p if name == "decoupled_ppo" else None, None, versions), trainer_version=6)
+    k3 = torch.exp(gap) - 1 - gap
+    assert float(metrics["mismatch_count"]) == float(current.sum())
+    assert float(metrics["mismatch_kl_sum"]) == pytest.approx(float(k3[current].sum()), rel=1e-9)
+    assert float(metrics["mismatch_abs_max"]) == pytest.approx(float(gap[current].abs().max()), rel=1e-9)
+    _, none_current = LOSSES[name](PolicyBatch(theta, b, adv, mask, p, None, versions), trainer_version=9)
+    assert float(none_current["mismatch_count"]) == 0 and float(none_current["mismatch_kl_sum"]) == 0
+
+
 def test_factory_binds_the_config_and_checks_it():
     theta, b, p, adv, mask = make_batch()
     loss_fn = make_loss(LossConfig(name="decoupled_ppo", is_cap=1.1, clip_low=0.1))

@@ -92,8 +92,11 @@ def test_an_sglang_producer_killed_after_a_commit_is_replaced_and_the_trainer_se
     assert failpoints.fired(directory) == ["producer.after_commit"]
     assert summary["stopped_by"] == "steps" and summary["producer_restarts"] == 1
     (replaced,) = run_dir.read("events.jsonl")
-    assert replaced["event"] == "producer_replaced" and replaced["update_groups_closed"] == 2
-    assert summary["trainer_weight_broadcasts"]["groups"] == 4  # two servers, twice
+    # groups open lazily, at a server's first load: by the kill one or both servers had theirs
+    assert replaced["event"] == "producer_replaced" and replaced["update_groups_closed"] in (1, 2)
+    (replacement,) = summary["producers"]
+    assert replacement["loads"] >= 1  # versions broadcast into the new servers, over new groups
+    assert summary["trainer_weight_broadcasts"]["groups"] >= 2  # each new server's own
     assert_nothing_lost_or_repeated(run_dir, 8)
 
 

@@ -84,6 +84,17 @@ def test_sync_and_one_step_schedules_run_through_the_same_code_path(ray_local, t
     assert len(metrics) == 4 and all(m["staleness_max"] <= eta for m in metrics)
     assert summary["schedule"] == ("synchronous" if eta == 0 else "asynchronous")
     assert summary["queue"]["over_budget"] == 0
+    if eta == 0:  # every token is the trainer's own version: the float32 sampler and trainer agree
+        assert all(m["mismatch_tokens"] == m["response_tokens"] and m["mismatch_abs_max"] < 1e-4 for m in metrics)
+
+
+def test_a_bfloat16_run_reports_its_train_inference_mismatch(ray_local, tmp_path):
+    summary, run_dir = run_tiny(tmp_path, "bf16", "run.steps=3", "queue.max_staleness=0", "producers.count=1",
+                                "model.dtype=bfloat16", "model.attention=sdpa")
+    metrics = run_dir.read("metrics.jsonl")
+    assert summary["stopped_by"] == "steps"
+    assert all(m["mismatch_tokens"] == m["response_tokens"] for m in metrics)
+    assert all(1e-4 < m["mismatch_abs_max"] and 0 < m["mismatch_kl"] < 0.05 for m in metrics)
 
 
 @pytest.mark.parametrize("tp, dp, pp", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)])

@@ -46,6 +46,26 @@ def test_behaviour_logprobs_match_a_full_forward_with_left_padding_and_shared_pr
         np.testing.assert_allclose(gen.logprobs[gen.offsets[row]:gen.offsets[row + 1]], expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_bfloat16_sampler_stamps_float32_logprobs_of_its_own_bfloat16_distribution(tiny_model_dir, attention):
+    """model.dtype = bfloat16: the weights and the arithmetic are bf16, the log-probs float32 and exactly
+    those of the bf16 model (a cached decode and a full forward in bf16 differ by bf16's rounding only),
+    off from the float32 model's by more: the gap the trainer's mismatch metric reports."""
+    model, _ = load_policy(tiny_model_dir, dtype="bfloat16", attention=attention)
+    full, _ = load_policy(tiny_model_dir)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    prompts = [[1, 4, 5, 6, 15], [1, 7, 15]]
+    gen = generate(engine_for(model), prompts, samples_per_prompt=3)
+    assert gen.logprobs.dtype == np.float32
+    gaps = []
+    for row in range(6):
+        mine = gen.logprobs[gen.offsets[row]:gen.offsets[row + 1]]
+        np.testing.assert_allclose(mine, teacher_forced_logprobs(model, prompts[row // 3], gen.response(row)),
+                                   atol=1e-3)
+        gaps.append(np.abs(mine - teacher_forced_logprobs(full, prompts[row // 3], gen.response(row))).max())
+    assert max(gaps) > 1e-4
+
+
 def test_a_group_that_joins_mid_batch_gets_what_it_would_get_alone(tiny_model_dir):
     """Rows join at decode-step boundaries of a busy batch (other rows mid-way, of other lengths) and
     others leave around them: the same tokens and log-probs as the same group sampled alone."""

@@ -254,3 +254,40 @@ def test_schedule_and_checkpointing_contradictions_are_refused():
     with pytest.raises(ConfigError, match="gradient_checkpointing needs trainer.backend = 'torch'"):
         load_config(None, ["trainer.gradient_checkpointing=true", "trainer.backend=megatron"])
     assert load_config(None, ["trainer.lr_schedule=linear", "run.steps=40"]).optimizer_steps == 40
+
+
+def with_exact_behaviour(model_dir, data):
+    """`data` with behaviour log-probs computed exactly as a float32 trainer computes them: a sampler
+    that matched the trainer bit for bit."""
+    from streamrl.buffer.padded import to_padded
+
+    padded = to_padded(data)
+    with torch.no_grad():
+        exact = trainer(model_dir)._token_logprobs(padded.input_ids, padded.attention_mask)
+    mask = padded.loss_mask[:, 1:].bool()
+    rows = [exact[i][mask[i]].tolist() for i in range(len(exact))]
+    return data.set_column(data.schema.get_field_index("behavior_logprobs"), "behavior_logprobs",
+                           pa.array(rows, type=pa.list_(pa.float32())))
+
+
+def test_the_train_inference_mismatch_is_reported_and_bf16_training_keeps_float32_weights(tiny_model_dir):
+    data = with_exact_behaviour(tiny_model_dir, batch())
+    tokens = sum(len(row) for row in data.column("behavior_logprobs").to_pylist())
+    same = trainer(tiny_model_dir).train(data)
+    assert same["mismatch_tokens"] == tokens  # the synthetic batch is all version 0: the trainer's own
+    assert same["mismatch_abs_max"] < 1e-5 and same["mismatch_kl"] < 1e-10
+    bf16 = TorchTrainer(tiny_model_dir, trainer=TrainerSection(), loss=LossConfig(), group_size=4, dtype="bfloat16")
+    metrics = bf16.train(data)
+    assert metrics["mismatch_abs_max"] > 1e-4 and 0 < metrics["mismatch_kl"] < 1e-2  # bf16's rounding, no more
+    assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.float32}  # the optimizer's master weights
+    assert {v.dtype for s in bf16.optimizer.state.values() for k, v in s.items() if k != "step"} == {torch.float32}
+
+
+def test_a_stale_only_batch_reports_no_mismatch(tiny_model_dir):
+    queue = ReplayQueue(QueueConfig(group_size=4, groups_per_step=4, max_in_flight=64))
+    t = trainer(tiny_model_dir)
+    t.version = 3
+    data = synthetic_batch(queue.admit(0, 4).tickets, 4, prompt_len=(2, 5), response_len=(2, 7), vocab_size=17,
+                           rng=np.random.default_rng(0), version=1)
+    assert not {"mismatch_kl", "mismatch_abs_max", "mismatch_tokens"} & set(t.train(data))

@@ -144,7 +144,21 @@ def _finish(per_token: torch.Tensor, batch: PolicyBatch, valid: torch.Tensor, *,
             age = (trainer_version - batch.versions).float()
             metrics["staleness_mean"] = _masked_mean(age, valid)
             metrics["staleness_max"] = torch.where(valid, age, -1.0).max() if valid.any() else age.new_tensor(0.0)
+            metrics.update(_mismatch(is_log_ratio, valid & (age == 0)))
     return loss, metrics
+
+
+def _mismatch(is_log_ratio: torch.Tensor, current: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The train/inference mismatch on the tokens the trainer's own version sampled (`current`): there
+    the trainer-side and behaviour log-probs differ only by how each side computes them (precision,
+    kernels), the gap truncated and masked IS exist to absorb. Sums and a count, not a mean, so that
+    micro-batches and ranks combine exactly (`mismatch_kl` = the sum over the count: a k3 estimate of
+    KL(behaviour ‖ trainer))."""
+    log_ratio = is_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    k3 = torch.exp(log_ratio) - 1.0 - log_ratio
+    return {"mismatch_kl_sum": (k3 * current).sum(), "mismatch_count": current.sum().float(),
+            "mismatch_abs_max": torch.where(current, log_ratio.abs(), 0.0).max() if current.any()
+            else log_ratio.new_tensor(0.0)}
 
 
 def _kl_penalty(theta: torch.Tensor, ref: torch.Tensor, valid: torch.Tensor,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -22,14 +23,34 @@ def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def load_policy(path: str | Path, *, train: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Model (float32, eager attention: fastest for small models on CPU) and tokenizer from a local directory."""
+def load_policy(path: str | Path, *, train: bool = False, dtype: str = "float32",
+                attention: str = "eager") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Model and tokenizer from a local directory. The defaults (float32, eager attention) are the
+    fastest for small models on CPU (`model.dtype`, `model.attention`). A model to train is held in
+    float32 whatever `dtype` says: its weights are the optimizer's master copy (`autocast` runs the
+    arithmetic in `dtype`)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{str(path)!r} is not a Hugging Face model directory (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    check_dtype_supported(dtype)
+    held = torch.float32 if train else getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=held, attn_implementation=attention)
     model.train(train)
     if not train:
         model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
+
+
+def check_dtype_supported(dtype: str) -> None:
+    """bfloat16 on a GPU that lacks it (before Ampere) is refused here, where the device is known."""
+    if dtype == "bfloat16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"model.dtype = 'bfloat16', but {torch.cuda.get_device_name()} has no bfloat16 support; "
+                         "use model.dtype = 'float32'")
+
+
+def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+    """Forward (and so backward) arithmetic in `dtype` over float32 weights; nothing for float32."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))

@@ -339,7 +339,7 @@ def _make_learner(run_name: str, cfg: RunConfig, config: dict[str, Any], model_d
     if cfg.trainer.backend == "torch":
         from streamrl.trainer.torch_trainer import TorchTrainer
 
-        return TorchTrainer(model_dir, **common)
+        return TorchTrainer(model_dir, dtype=cfg.model.dtype, attention=cfg.model.attention, **common)
     if cfg.trainer.backend == "sim":
         from streamrl.sim.learner import SimLearner
 

@@ -106,7 +106,7 @@ def _torch_engine(cfg: RunConfig, producer_id: int, model_dir: str, seed: int, w
     from streamrl.tasks import make_task
 
     torch.set_num_threads(cfg.producers.threads)
-    model, tokenizer = load_policy(model_dir)
+    model, tokenizer = load_policy(model_dir, dtype=cfg.model.dtype, attention=cfg.model.attention)
     model.to(default_device())
     task = make_task(cfg.task, tokenizer, seed=cfg.run.seed, search_path=search_path)
     engine = TorchEngine(LocalWeights(model, _receiver(cfg, producer_id, weights, model)),

@@ -44,7 +44,7 @@ from streamrl.correction import (
 from streamrl.engine.base import generate
 from streamrl.engine.local_weights import LocalWeights
 from streamrl.engine.torch_engine import TorchEngine
-from streamrl.models.hf import default_device, load_policy
+from streamrl.models.hf import autocast, default_device, load_policy
 from streamrl.tasks import Task
 from streamrl.trainer.schedule import lr_at
 from streamrl.weights.arrays import state_arrays
@@ -75,10 +75,12 @@ def advantages(rewards: torch.Tensor, group_size: int, kind: str) -> torch.Tenso
 
 class TorchTrainer:
     def __init__(self, model_dir: str | Path, *, trainer: TrainerSection, loss: LossConfig, group_size: int,
-                 temperature: float = 1.0, version: int = 0, seed: int = 0, lr_horizon: int | None = None):
+                 temperature: float = 1.0, version: int = 0, seed: int = 0, lr_horizon: int | None = None,
+                 dtype: str = "float32", attention: str = "eager"):
         torch.manual_seed(seed)
-        self.model, self.tokenizer = load_policy(model_dir, train=True)
+        self.model, self.tokenizer = load_policy(model_dir, train=True, dtype=dtype, attention=attention)
         self.model.to(default_device())
+        self.compute_dtype = dtype  # the weights and optimizer state stay float32 (see load_policy)
         if trainer.gradient_checkpointing:
             _enable_activation_checkpointing(self.model)
         self._setup(trainer, loss, group_size, temperature, version, seed, lr_horizon)
@@ -108,7 +110,8 @@ class TorchTrainer:
 
     def _token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[n, w − 1] log-probs of tokens 1..w−1 (right padding: default positions are right)."""
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+        with autocast(self.device, self.compute_dtype):
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
         return token_logprobs(logits / self.temperature, input_ids[:, 1:])
 
     def train(self, table: pa.Table | pa.RecordBatch) -> dict[str, float]:
@@ -141,7 +144,7 @@ class TorchTrainer:
                     self.optimizer_steps = saved[2]
                 raise
         self.version += 1
-        totals = self._reduce_metrics(totals)
+        totals = _mean_mismatch(self._reduce_metrics(totals))
         totals.update(grad_norm=float(np.mean(grad_norms)), response_tokens=tokens, trained_tokens=int(lengths.sum()),
                       samples=len(lengths), optimizer_steps=len(parts),
                       lr=lr_at(self.optimizer_steps - 1, **self._lr_schedule()),  # the step's last optimizer step
@@ -325,6 +328,17 @@ def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def _mean_mismatch(totals: dict[str, float]) -> dict[str, float]:
+    """`mismatch_kl` from the step's sum and count (see `streamrl.correction.losses._mismatch`); without
+    a token of the trainer's own version in the step there is nothing to report."""
+    total, count = totals.pop("mismatch_kl_sum", 0.0), totals.pop("mismatch_count", 0.0)
+    if count:
+        totals.update(mismatch_kl=total / count, mismatch_tokens=int(count))
+    else:
+        totals.pop("mismatch_abs_max", None)
+    return totals
+
+
 def _host_copy(state):
     """A deep copy with every tensor in host memory (a step's rollback point)."""
     if isinstance(state, torch.Tensor):
@@ -345,7 +359,7 @@ def _accumulate(totals: dict[str, float], metrics: dict[str, torch.Tensor], *, s
             totals[name] = max(totals.get(name, value), value)
         elif name.endswith("_min"):
             totals[name] = min(totals.get(name, value), value)
-        elif name == "tokens":
+        elif name == "tokens" or name.endswith(("_sum", "_count")):
             totals[name] = totals.get(name, 0.0) + value
         else:
             totals[name] = totals.get(name, 0.0) + share * value
