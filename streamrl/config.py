@@ -95,9 +95,15 @@ class TaskSection(_Section):
     eval_prompts: str | None = None
     """file: held-out prompts in the same format (optional)."""
     prompt_field: str = "prompt"
-    """file: the column holding the prompt text."""
+    """file: the column holding the prompt: text, or chat messages `[{role, content}, ...]`."""
+    chat_template: bool = False
+    """file: build each prompt with the tokenizer's chat template (text becomes one user message), ending
+    where the assistant answers: how an instruction-tuned model expects its input. Needed for messages."""
+    system_prompt: str | None = None
+    """file, with chat_template: a system message put before each prompt that does not start with one."""
     reward: str | None = None
-    """file: `module:function` called as `function(completion: str, row: dict) -> float`."""
+    """file: `module:function` called as `function(completion: str, row: dict) -> float`; a function with
+    `batched = True` is called once per group as `function(completions: list[str], row) -> list[float]`."""
     reward_isolation: Literal["process", "inline"] = "process"
     """file: `process`: call the reward function in a worker process (one per producer), so a hang is
     cut at `reward_timeout_s` and a crash costs one sample, not the producer; `inline`: call it in the
@@ -323,6 +329,8 @@ class RunConfig(_Section):
             if self.model.path is None:
                 raise ValueError("task.kind = 'file' needs model.path: the built-in model only knows the "
                                  "reverse task's characters")
+        if task.system_prompt is not None and not task.chat_template:
+            raise ValueError("task.system_prompt is put in by the chat template: set task.chat_template = true")
         if queue.group_size < 2 and self.trainer.advantage != "drgrpo":
             raise ValueError(f"queue.group_size={queue.group_size}: group advantages need at least 2 samples "
                              "per prompt")

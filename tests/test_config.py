@@ -49,6 +49,7 @@ def test_toml_file_plus_overrides_and_round_trip(tmp_path):
     (["model.hidden_size=130"], r"hidden_size=130 is not divisible by num_heads=4"),
     (["run.name=bad name!"], r"run\.name: String should match pattern"),
     (["queue.max_staleness=0", "queue.max_in_flight=2"], r"a synchronous step could never be filled"),
+    (["task.system_prompt=Be brief."], r"task\.system_prompt is put in by the chat template: set task\.chat_template"),
     (["model.dtype=float16"], r"model\.dtype: Input should be 'float32' or 'bfloat16'"),
     (["model.dtype=bfloat16", "trainer.backend=megatron"], r"the megatron trainer trains in float32 only"),
     (["model.attention=flash_attention_2", "model.dtype=bfloat16"], r"needs the flash-attn package"),

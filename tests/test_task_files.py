@@ -61,3 +61,92 @@ def test_a_non_finite_reward_is_a_recorded_failure_with_the_fallback_reward(file
     assert task.reward(0, [4]) == 0.0 and task.reward_failures() == {"nan": 1}
     task.close()
     sys.modules.pop("nan_rewards", None)
+
+
+# A chat template in the tiny tokenizer's own characters: system "=S,", user text, the assistant after ">".
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}={{ m.content }},"
+            "{% elif m.role == 'user' %}{{ m.content }}{% else %}>{{ m.content }}{{ eos_token }}{% endif %}"
+            "{% endfor %}{% if add_generation_prompt %}>{% endif %}")
+
+
+@pytest.fixture
+def chat_tokenizer(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = TEMPLATE
+    return tokenizer
+
+
+def write_chats(path, chats):
+    path.write_text("".join(json.dumps({"prompt": chat, "answer": "21"}) + "\n" for chat in chats))
+    return str(path)
+
+
+def test_text_and_chat_prompts_go_through_the_chat_template(files, chat_tokenizer):
+    ids = chat_tokenizer.convert_tokens_to_ids
+    plain = make_task(section(files, chat_template=True), chat_tokenizer, search_path=str(files))
+    assert plain.prompt(0) == ids(["<bos>", "1", "2", ">", ">"])  # the text "12>" as a user message
+    system = make_task(section(files, chat_template=True, system_prompt="9"), chat_tokenizer, search_path=str(files))
+    assert system.prompt(0) == ids(["<bos>", "=", "9", ",", "1", "2", ">", ">"])
+    chats = write_chats(files / "chats.jsonl", [
+        [{"role": "system", "content": "3"}, {"role": "user", "content": "12"}],
+        [{"role": "user", "content": "4"}, {"role": "assistant", "content": "5"}, {"role": "user", "content": "6"}]])
+    task = make_task(section(files, prompts=chats, chat_template=True, system_prompt="9", eval_prompts=None),
+                     chat_tokenizer, search_path=str(files), max_prompt_tokens=20)
+    assert task.prompt(0) == ids(["<bos>", "=", "3", ",", "1", "2", ">"])  # its own system message is kept
+    assert task.prompt(1) == ids(["<bos>", "=", "9", ",", "4", ">", "5", "<eos>", "6", ">"])
+    answer = chat_tokenizer("21").input_ids + [chat_tokenizer.eos_token_id]
+    assert task.reward(0, answer) == 1.0  # the reward sees the decoded completion and the row
+
+
+@pytest.mark.parametrize("chats, message", [
+    ([[{"role": "user", "content": "1"}], [{"role": "robot", "content": "2"}]],
+     r"row 1: message 0 has role 'robot', not one of system, user, assistant, tool"),
+    ([[{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]],
+     r"row 0: the chat ends with an assistant message"),
+    ([[{"role": "user", "content": "1"}], []], r"row 1: the chat has no messages"),
+])
+def test_malformed_chats_are_refused_naming_the_row(files, chat_tokenizer, chats, message):
+    with pytest.raises(ValueError, match=message):
+        make_task(section(files, prompts=write_chats(files / "bad.jsonl", chats), chat_template=True,
+                          eval_prompts=None), chat_tokenizer, search_path=str(files))
+
+
+def test_chats_without_the_template_and_a_template_the_tokenizer_lacks_are_refused(files, chat_tokenizer,
+                                                                                    tiny_model_dir):
+    chats = write_chats(files / "chats.jsonl", [[{"role": "user", "content": "12"}]])
+    with pytest.raises(ValueError, match=r"holds chat messages, which need the model's chat template: set "
+                                         r"task\.chat_template = true"):
+        make_task(section(files, prompts=chats, eval_prompts=None), chat_tokenizer, search_path=str(files))
+    with pytest.raises(ValueError, match=r"task\.chat_template = true, but the tokenizer .* has no chat template"):
+        make_task(section(files, chat_template=True), AutoTokenizer.from_pretrained(tiny_model_dir),
+                  search_path=str(files))
+
+
+BATCHED = '''
+def group(completions, row):
+    return [float(len(completions))] * len(completions)  # one call saw the whole group
+group.batched = True
+
+def short(completions, row):
+    return [1.0]
+short.batched = True
+'''
+
+
+@pytest.mark.parametrize("isolation", ["process", "inline"])
+def test_a_batched_reward_is_called_once_per_group(files, tiny_model_dir, isolation):
+    from streamrl.tasks import group_rewards
+
+    (files / "batched_rewards.py").write_text(BATCHED)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    task = make_task(section(files, reward="batched_rewards:group", reward_isolation=isolation, reward_max=10),
+                     tokenizer, search_path=str(files))
+    assert group_rewards(task, 0, [[4], [5, 6], [7]]) == [3.0, 3.0, 3.0]
+    assert task.reward(0, [4]) == 1.0  # one sample alone is a group of one
+    task.close()
+    wrong = make_task(section(files, reward="batched_rewards:short", reward_isolation=isolation), tokenizer,
+                      search_path=str(files))
+    assert group_rewards(wrong, 0, [[4], [5]]) == [0.0, 0.0]  # a list of the wrong length fails each sample
+    assert wrong.reward_failures() == {"not_a_number": 2}
+    wrong.close()
+    sys.modules.pop("batched_rewards", None)

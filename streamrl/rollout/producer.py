@@ -33,7 +33,7 @@ from streamrl.buffer.queue import Admission, QueueClosed, Ticket, TicketExpired
 from streamrl.buffer.schema import build_batch
 from streamrl.engine.base import Engine, Sample, to_generation
 from streamrl.engine.generation import Generation
-from streamrl.tasks import Task
+from streamrl.tasks import Task, group_rewards
 
 
 class QueueClient(Protocol):
@@ -223,8 +223,11 @@ class RolloutProducer:
     def _pack(self, groups: list[_Group]) -> pa.RecordBatch:
         samples = [g.samples[i] for g in groups for i in range(self.group_size)]
         generation = to_generation(samples)
-        rewards = np.array([self.task.reward(groups[row // self.group_size].ticket.prompt_id, generation.response(row))
-                            for row in range(len(samples))], dtype=np.float32)
+        g = self.group_size
+        rewards = np.array([r for i, group in enumerate(groups)
+                            for r in group_rewards(self.task, group.ticket.prompt_id,
+                                                   [generation.response(row) for row in range(i * g, (i + 1) * g)])],
+                           dtype=np.float32)
         self.stats["samples"] += len(samples)
         return pack_groups([g.ticket for g in groups], [g.prompt for g in groups], generation, rewards,
                            group_size=self.group_size, producer_id=self.producer_id,

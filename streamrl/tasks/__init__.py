@@ -36,6 +36,15 @@ class Task(Protocol):
         """Default generation limit."""
 
 
+def group_rewards(task: Task, prompt_id: int, responses: Sequence[Sequence[int]]) -> list[float]:
+    """The rewards of one prompt's responses: in one call where the task scores groups (`rewards`, a
+    file task with a batched reward function), else one `reward` each."""
+    rewards = getattr(task, "rewards", None)
+    if rewards is not None:
+        return list(rewards(prompt_id, responses))
+    return [task.reward(prompt_id, response) for response in responses]
+
+
 def make_task(section: TaskSection, tokenizer: PreTrainedTokenizerBase | None = None, *, seed: int = 0,
               search_path: str | None = None, max_prompt_tokens: int | None = None,
               sim: SimWorkload | None = None) -> Task:
@@ -64,4 +73,4 @@ def make_task(section: TaskSection, tokenizer: PreTrainedTokenizerBase | None = 
     raise ValueError(f"unknown task kind {section.kind!r}")
 
 
-__all__ = ["Task", "make_task"]
+__all__ = ["Task", "group_rewards", "make_task"]

@@ -1,8 +1,17 @@
 """User tasks: prompts from a Parquet or JSON-lines file, reward from a `module:function`.
 
-The reward function is called as `function(completion: str, row: dict) -> float`, where `row` is the
-prompt's record (all its columns, so a reference answer can sit next to the prompt). Training prompt
-id `i` is row `i mod rows`: the cursor walks the file in order, epoch after epoch.
+A prompt is text, or chat messages (`[{"role": ..., "content": ...}, ...]`). With
+`task.chat_template = true` the tokenizer's chat template turns either into the model's input (text
+becomes one user message, after `task.system_prompt` if set), ending where the assistant's answer
+starts: what an instruction-tuned model was trained to see. Without it, text goes to the model as it
+is, and messages are refused (there is no right way to flatten them without the template).
+
+The reward function is called as `function(completion: str, row: dict) -> float`, where `completion`
+is the decoded response and `row` the prompt's record (all its columns, so a reference answer can sit
+next to the prompt). A function with the attribute `batched = True` is called once per group instead,
+as `function(completions: list[str], row: dict) -> list[float]` (a verifier that is cheaper in bulk, or
+one that compares a group's answers). Training prompt id `i` is row `i mod rows`: the cursor walks the
+file in order, epoch after epoch.
 """
 
 from __future__ import annotations
@@ -19,13 +28,37 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from streamrl.config import TaskSection
-from streamrl.tasks.reward_guard import RewardGuard, import_reward
+from streamrl.tasks.reward_guard import RewardGuard, import_reward, is_batched
 
 
 def _is_text(type_: pa.DataType) -> bool:
     if pa.types.is_dictionary(type_):
         type_ = type_.value_type
     return pa.types.is_string(type_) or pa.types.is_large_string(type_)
+
+
+def _is_messages(type_: pa.DataType) -> bool:
+    """A list of structs with text `role` and `content` fields (extra fields, such as `name`, allowed)."""
+    if not (pa.types.is_list(type_) or pa.types.is_large_list(type_)) or not pa.types.is_struct(type_.value_type):
+        return False
+    fields = {f.name: f.type for f in type_.value_type}
+    return all(name in fields and _is_text(fields[name]) for name in ("role", "content"))
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _messages_problem(messages: list[dict[str, Any]]) -> str | None:
+    if not messages:
+        return "the chat has no messages"
+    for i, message in enumerate(messages):
+        if message.get("role") not in ROLES:
+            return f"message {i} has role {message.get('role')!r}, not one of {', '.join(ROLES)}"
+        if not isinstance(message.get("content"), str):
+            return f"message {i} has no text content"
+    if messages[-1]["role"] == "assistant":
+        return "the chat ends with an assistant message: the model would answer itself"
+    return None
 
 
 def _json_problem(path: Path, prompt_field: str) -> str | None:
@@ -88,11 +121,12 @@ def _first(mask: pa.ChunkedArray) -> int:
 
 
 def read_rows(path: str | Path, prompt_field: str, *,
-              tokenize: Callable[[list[str]], list[list[int]]] | None = None,
-              max_prompt_tokens: int | None = None) -> list[dict[str, Any]]:
-    """The rows of a prompt file, each with a non-empty text prompt, checked when the file is loaded.
+              tokenize: Callable[[list[Any]], list[list[int]]] | None = None,
+              max_prompt_tokens: int | None = None, messages: bool = False) -> list[dict[str, Any]]:
+    """The rows of a prompt file, each with a non-empty prompt, checked when the file is loaded: text,
+    or with `messages` also chat messages.
 
-    With `tokenize` (texts -> token ids), every prompt is tokenized too: one that tokenizes to nothing
+    With `tokenize` (prompts -> token ids), every prompt is tokenized too: one that tokenizes to nothing
     or to more than `max_prompt_tokens` is refused. Errors name the file and the row (0-based, the row
     prompt id `i` maps to) or, for JSON lines that cannot be parsed, the line (1-based).
     """
@@ -110,8 +144,15 @@ def read_rows(path: str | Path, prompt_field: str, *,
     if prompt_field not in table.column_names:
         raise ValueError(f"{where} has no column {prompt_field!r} (columns: {table.column_names})")
     prompts = table.column(prompt_field)
+    if _is_messages(prompts.type):
+        if not messages:
+            raise ValueError(f"{where}: column {prompt_field!r} holds chat messages, which need the model's chat "
+                             "template: set task.chat_template = true")
+        _check_chats(prompts, where, tokenize, max_prompt_tokens)
+        return table.to_pylist()
     if not _is_text(prompts.type):
-        raise ValueError(f"{where}: column {prompt_field!r} must hold text, not {prompts.type}")
+        raise ValueError(f"{where}: column {prompt_field!r} must hold text or chat messages "
+                         f"([{{role, content}}, ...]), not {prompts.type}")
     if pa.types.is_dictionary(prompts.type):
         prompts = prompts.cast(prompts.type.value_type)
     if prompts.null_count:
@@ -120,16 +161,31 @@ def read_rows(path: str | Path, prompt_field: str, *,
     blank = pc.equal(pc.utf8_trim_whitespace(prompts), "")
     if pc.any(blank).as_py():
         raise ValueError(f"{where}, row {_first(blank)}: the prompt is empty")
-    if tokenize is not None:
-        texts = prompts.to_pylist()
-        for start in range(0, len(texts), 1024):
-            for row, ids in enumerate(tokenize(texts[start:start + 1024]), start=start):
-                if not ids:
-                    raise ValueError(f"{where}, row {row}: the prompt tokenizes to nothing")
-                if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-                    raise ValueError(f"{where}, row {row}: the prompt is {len(ids)} tokens, more than the "
-                                     f"{max_prompt_tokens} the model's context leaves for a prompt")
+    _check_lengths(prompts.to_pylist(), where, tokenize, max_prompt_tokens)
     return table.to_pylist()
+
+
+def _check_chats(prompts: pa.ChunkedArray, where: str, tokenize: Callable[[list[Any]], list[list[int]]] | None,
+                 max_prompt_tokens: int | None) -> None:
+    chats = prompts.to_pylist()
+    for row, chat in enumerate(chats):
+        problem = "no prompt (the column is null or missing)" if chat is None else _messages_problem(chat)
+        if problem:
+            raise ValueError(f"{where}, row {row}: {problem}")
+    _check_lengths(chats, where, tokenize, max_prompt_tokens)
+
+
+def _check_lengths(prompts: list[Any], where: str, tokenize: Callable[[list[Any]], list[list[int]]] | None,
+                   max_prompt_tokens: int | None) -> None:
+    if tokenize is None:
+        return
+    for start in range(0, len(prompts), 1024):
+        for row, ids in enumerate(tokenize(prompts[start:start + 1024]), start=start):
+            if not ids:
+                raise ValueError(f"{where}, row {row}: the prompt tokenizes to nothing")
+            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                raise ValueError(f"{where}, row {row}: the prompt is {len(ids)} tokens, more than the "
+                                 f"{max_prompt_tokens} the model's context leaves for a prompt")
 
 
 class FileTask:
@@ -139,24 +195,41 @@ class FileTask:
                  max_prompt_tokens: int | None = None):
         self.tokenizer = tokenizer
         self.field = section.prompt_field
+        self.chat_template, self.system_prompt = section.chat_template, section.system_prompt
+        if self.chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"task.chat_template = true, but the tokenizer of {tokenizer.name_or_path!r} has no "
+                             "chat template; set task.chat_template = false (prompts go in as plain text)")
         # With the model's context known (the launch check), every prompt is tokenized once up front, so
         # one that is too long or tokenizes to nothing fails the launch instead of a producer mid-run.
         lengths = {} if max_prompt_tokens is None else {
-            "tokenize": lambda texts: tokenizer(texts).input_ids, "max_prompt_tokens": max_prompt_tokens}
-        self.rows = read_rows(section.prompts, section.prompt_field, **lengths)
-        self.eval_rows = (read_rows(section.eval_prompts, section.prompt_field, **lengths)
-                          if section.eval_prompts else [])
-        import_reward(section.reward, search_path)  # here too, not only in the worker: a bad spec fails at launch
+            "tokenize": lambda prompts: [self.encode(p) for p in prompts], "max_prompt_tokens": max_prompt_tokens}
+        self.rows = read_rows(section.prompts, section.prompt_field, messages=self.chat_template, **lengths)
+        self.eval_rows = (read_rows(section.eval_prompts, section.prompt_field, messages=self.chat_template,
+                                    **lengths) if section.eval_prompts else [])
+        # here too, not only in the worker: a bad spec fails at launch
+        batched = is_batched(import_reward(section.reward, search_path))
         self.guard = RewardGuard(section.reward, search_path, isolation=section.reward_isolation,
                                  timeout_s=section.reward_timeout_s, low=section.reward_min,
-                                 high=section.reward_max, fallback=section.reward_on_failure)
+                                 high=section.reward_max, fallback=section.reward_on_failure, batched=batched)
         if tokenizer.eos_token_id is None:
             raise ValueError("the model's tokenizer has no eos token to stop generation at")
         self.stop_token_ids = (tokenizer.eos_token_id,)
         self._cache: dict[int, list[int]] = {}
 
+    def encode(self, prompt: str | list[dict[str, Any]]) -> list[int]:
+        """The model's input for a prompt: the text's tokens, or the chat template's rendering of the
+        messages (text as one user message) up to the assistant's turn, tokenized as rendered (the
+        template writes the special tokens itself)."""
+        if not self.chat_template:
+            return self.tokenizer(prompt).input_ids
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if self.system_prompt is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
     def _encode(self, row: dict[str, Any]) -> list[int]:
-        ids = self.tokenizer(row[self.field]).input_ids
+        ids = self.encode(row[self.field])
         if not ids:
             raise ValueError(f"prompt {row[self.field]!r} tokenizes to nothing")
         return ids
@@ -173,6 +246,11 @@ class FileTask:
 
     def reward(self, prompt_id: int, response_ids: Sequence[int]) -> float:
         return self._score(self.rows[prompt_id % len(self.rows)], response_ids)
+
+    def rewards(self, prompt_id: int, responses: Sequence[Sequence[int]]) -> list[float]:
+        """One group's rewards: a single call of a batched reward function."""
+        completions = [self.tokenizer.decode(list(ids), skip_special_tokens=True) for ids in responses]
+        return self.guard.group(completions, self.rows[prompt_id % len(self.rows)])
 
     def eval_prompts(self, limit: int | None = None) -> list[list[int]]:
         return [self._encode(row) for row in self.eval_rows[:limit]]

@@ -87,12 +87,28 @@ def import_reward(spec: str, search_path: str | None = None) -> Callable[[str, d
     return fn
 
 
-def call_reward(fn: Callable[[str, dict], Any], completion: str, row: dict[str, Any]) -> Outcome:
-    """One call of the user's function: its value as a float, or why there is none (range not checked)."""
+def is_batched(fn: Callable) -> bool:
+    """Whether a reward function scores a whole group per call (its attribute `batched = True`)."""
+    return getattr(fn, "batched", False) is True
+
+
+def call_reward(fn: Callable[[Any, dict], Any], completion: str | list[str],
+                row: dict[str, Any]) -> Outcome | list[Outcome]:
+    """One call of the user's function: its value as a float, or why there is none (range not checked).
+    A batched function gets the group's completions and answers one outcome per completion."""
     try:
         value = fn(completion, row)
-    except (Exception, SystemExit) as exc:  # the user's bug, recorded for this sample
+    except (Exception, SystemExit) as exc:  # the user's bug, recorded for this sample (or group)
         return "raised", _describe_exception(exc)
+    if not isinstance(completion, list):
+        return _number(value)
+    if isinstance(value, str | bytes | dict) or not hasattr(value, "__len__") or len(value) != len(completion):
+        return "not_a_number", _short(f"a batched reward returned {type(value).__name__}, not a list of "
+                                      f"{len(completion)} numbers")
+    return [_number(v) for v in value]
+
+
+def _number(value: Any) -> Outcome:
     if value is None:
         return "none", "returned None"
     # bools, ints, numpy scalars and one-element tensors convert; a string that happens to parse does not
@@ -114,7 +130,7 @@ def judge(value: float, low: float, high: float) -> Outcome:
 
 
 class Caller(Protocol):
-    def call(self, completion: str, row: dict[str, Any]) -> Outcome: ...
+    def call(self, completion: str | list[str], row: dict[str, Any]) -> Outcome | list[Outcome]: ...
 
     def close(self) -> None: ...
 
@@ -125,7 +141,7 @@ class InlineCaller:
     def __init__(self, fn: Callable[[str, dict], Any]):
         self.fn = fn
 
-    def call(self, completion: str, row: dict[str, Any]) -> Outcome:
+    def call(self, completion: str | list[str], row: dict[str, Any]) -> Outcome | list[Outcome]:
         return call_reward(self.fn, completion, row)
 
     def close(self) -> None:
@@ -180,7 +196,7 @@ class ProcessCaller:
         """The running worker's pid (None before the first call and after a kill)."""
         return None if self._process is None else self._process.pid
 
-    def call(self, completion: str, row: dict[str, Any]) -> Outcome:
+    def call(self, completion: str | list[str], row: dict[str, Any]) -> Outcome | list[Outcome]:
         if self._process is not None and self._process.poll() is not None:
             self._stop()  # it died between calls (killed from outside): not this call's failure
         if self._process is None:
@@ -241,11 +257,14 @@ class ProcessCaller:
 
 class RewardGuard:
     """`guard(completion, row)` → the reward, or `fallback` for a failed reward (counted in `counts`,
-    the last `keep` kept in `recent`). Thread-safe: calls are serialized (one worker runs one call)."""
+    the last `keep` kept in `recent`); `guard.group(completions, row)` → one reward each, in one call
+    of a `batched` function. Thread-safe: calls are serialized (one worker runs one call)."""
 
     def __init__(self, spec: str, search_path: str | None = None, *,
                  isolation: Literal["process", "inline"] = "process", timeout_s: float = 10.0,
-                 low: float = -1e6, high: float = 1e6, fallback: float = 0.0, keep: int = 8):
+                 low: float = -1e6, high: float = 1e6, fallback: float = 0.0, keep: int = 8,
+                 batched: bool = False):
+        self.batched = batched
         if isolation == "process":
             self.caller: Caller = ProcessCaller(spec, search_path, timeout_s)
         elif isolation == "inline":
@@ -259,15 +278,30 @@ class RewardGuard:
         self._finalizer = weakref.finalize(self, self.caller.close)  # a forgotten guard leaves no worker
 
     def __call__(self, completion: str, row: dict[str, Any]) -> float:
+        if self.batched:
+            return self.group([completion], row)[0]
         with self._lock:
-            kind, payload = self.caller.call(completion, row)
-            if kind == "value":
-                kind, payload = judge(payload, self.low, self.high)
-            if kind == "value":
-                return payload
-            self.counts[kind] += 1
-            self.recent.append(RewardFailure(kind, payload))
-            return self.fallback
+            return self._reward(self.caller.call(completion, row))
+
+    def group(self, completions: list[str], row: dict[str, Any]) -> list[float]:
+        """The rewards of one prompt's completions: one call of a batched function (a failure of the
+        whole call fails each sample), else one call each."""
+        if not self.batched:
+            return [self(completion, row) for completion in completions]
+        with self._lock:
+            outcome = self.caller.call(list(completions), row)
+            outcomes = outcome if isinstance(outcome, list) else [outcome] * len(completions)
+            return [self._reward(one) for one in outcomes]
+
+    def _reward(self, outcome: Outcome) -> float:
+        kind, payload = outcome
+        if kind == "value":
+            kind, payload = judge(payload, self.low, self.high)
+        if kind == "value":
+            return payload
+        self.counts[kind] += 1
+        self.recent.append(RewardFailure(kind, payload))
+        return self.fallback
 
     def close(self) -> None:
         with self._lock:
