@@ -246,6 +246,9 @@ class TrainerSection(_Section):
     colocated: bool = False
     """The trainer shares its GPUs with the producers' sglang servers: at each step the servers pause
     and free their memory, the trainer loads itself, trains, publishes and offloads, the servers resume."""
+    reference_offload: bool = False
+    """With loss.kl_coef > 0: keep the reference policy (a frozen copy of the initial weights) in host
+    memory between steps, moved to the trainer's GPU for its forward pass only."""
     get_timeout_s: float = Field(300.0, gt=0)
     """The trainer gives up (and the run fails) when no batch arrives for this long."""
 
@@ -357,6 +360,9 @@ class RunConfig(_Section):
                              f"trainer.warmup_steps={self.trainer.warmup_steps} reaches the decay's end ({decay} "
                              "optimizer steps: trainer.lr_decay_steps, else run.steps × trainer.minibatches)")
         self._precision_fits()
+        if self.loss.kl_coef > 0 and self.trainer.backend == "sim":
+            raise ValueError("loss.kl_coef > 0 with trainer.backend = 'sim': the simulator has no policy to keep a "
+                             "reference copy of")
         if self.trainer.gradient_checkpointing and self.trainer.backend != "torch":
             raise ValueError("trainer.gradient_checkpointing needs trainer.backend = 'torch' (Hugging Face models)")
         if self.producers.engine == "sglang" and self.sampling.top_p != 1.0:

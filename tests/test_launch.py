@@ -88,13 +88,15 @@ def test_sync_and_one_step_schedules_run_through_the_same_code_path(ray_local, t
         assert all(m["mismatch_tokens"] == m["response_tokens"] and m["mismatch_abs_max"] < 1e-4 for m in metrics)
 
 
-def test_a_bfloat16_run_reports_its_train_inference_mismatch(ray_local, tmp_path):
+def test_a_bfloat16_run_with_a_kl_penalty_reports_its_mismatch_and_its_distance_to_the_reference(ray_local, tmp_path):
     summary, run_dir = run_tiny(tmp_path, "bf16", "run.steps=3", "queue.max_staleness=0", "producers.count=1",
-                                "model.dtype=bfloat16", "model.attention=sdpa")
+                                "model.dtype=bfloat16", "model.attention=sdpa", "loss.kl_coef=0.05")
     metrics = run_dir.read("metrics.jsonl")
     assert summary["stopped_by"] == "steps"
     assert all(m["mismatch_tokens"] == m["response_tokens"] for m in metrics)
     assert all(1e-4 < m["mismatch_abs_max"] and 0 < m["mismatch_kl"] < 0.05 for m in metrics)
+    assert metrics[0]["kl_ref"] == pytest.approx(0, abs=1e-3)  # the first step's policy is the reference
+    assert metrics[-1]["kl_ref"] > 0
 
 
 @pytest.mark.parametrize("tp, dp, pp", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)])

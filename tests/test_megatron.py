@@ -165,14 +165,14 @@ def step_batch():
 STEP = dict(lr=1e-2, minibatches=2, micro_batch_tokens=24)
 
 
-def trainer_worker(rank, world, port, model_dir, out, pp=1):
+def trainer_worker(rank, world, port, model_dir, out, pp=1, kl_coef=0.0):
     torch.set_num_threads(1)
     from streamrl.trainer.megatron_trainer import MegatronTrainer
 
     trainer = MegatronTrainer(model_dir, trainer=TrainerSection(tensor_parallel=world // pp, pipeline_parallel=pp,
                                                                 **STEP),
-                              loss=LossConfig(name="decoupled_ppo"), group_size=4, rank=rank, world_size=world,
-                              master_port=port)
+                              loss=LossConfig(name="decoupled_ppo", kl_coef=kl_coef), group_size=4, rank=rank,
+                              world_size=world, master_port=port)
     metrics = trainer.train(step_batch())
     state = trainer.hf_state()
     if rank == 0:
@@ -186,6 +186,15 @@ def test_one_megatron_trainer_step_matches_the_torch_trainer(model_dir, tmp_path
         pytest.skip("the CPU (gloo) variant; see the gpu test below")
     run_ranks(trainer_worker, tp, str(model_dir), str(tmp_path))
     check_step_against_torch(model_dir, tmp_path, atol=1e-4)
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_a_kl_penalty_step_matches_the_torch_trainer(qwen2_dir, tmp_path, tp, pp):
+    """The reference policy as megatron stages: its own tensor-parallel shards, its own pipeline pass."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU (gloo) variant")
+    run_ranks(trainer_worker, tp * pp, str(qwen2_dir), str(tmp_path), pp, 0.5)
+    check_step_against_torch(qwen2_dir, tmp_path, atol=1e-4, kl_coef=0.5)
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
@@ -207,11 +216,13 @@ def test_on_cuda_one_megatron_trainer_step_matches_the_torch_trainer(model_dir, 
     check_step_against_torch(model_dir, tmp_path, atol=1e-3)
 
 
-def check_step_against_torch(model_dir, tmp_path, atol):
+def check_step_against_torch(model_dir, tmp_path, atol, kl_coef=0.0):
     result = torch.load(tmp_path / "step.pt", weights_only=True, map_location="cpu")
-    reference = TorchTrainer(model_dir, trainer=TrainerSection(**STEP), loss=LossConfig(name="decoupled_ppo"),
-                             group_size=4)
+    reference = TorchTrainer(model_dir, trainer=TrainerSection(**STEP),
+                             loss=LossConfig(name="decoupled_ppo", kl_coef=kl_coef), group_size=4)
     metrics = reference.train(step_batch())
+    if kl_coef:  # the second mini-batch sees θ moved by the first: a penalty that is not zero
+        assert result["metrics"]["kl_ref"] == pytest.approx(metrics["kl_ref"], abs=atol) and metrics["kl_ref"] > 0
     assert result["version"] == 1
     assert result["metrics"]["loss"] == pytest.approx(metrics["loss"], abs=atol / 10)
     assert result["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=atol)

@@ -291,3 +291,57 @@ def test_a_stale_only_batch_reports_no_mismatch(tiny_model_dir):
     data = synthetic_batch(queue.admit(0, 4).tickets, 4, prompt_len=(2, 5), response_len=(2, 7), vocab_size=17,
                            rng=np.random.default_rng(0), version=1)
     assert not {"mismatch_kl", "mismatch_abs_max", "mismatch_tokens"} & set(t.train(data))
+
+
+def kl_trainer(model_dir, kl_coef, estimator="k1", **section):
+    return TorchTrainer(model_dir, trainer=TrainerSection(lr=3e-2, **section),
+                        loss=LossConfig(name="reinforce", kl_coef=kl_coef, kl_estimator=estimator), group_size=4)
+
+
+def test_the_kl_penalty_uses_reference_log_probs_of_the_initial_weights(tiny_model_dir):
+    """The gradient of the step equals the gradient written out by hand: the policy term plus
+    kl_coef × ∂(θ − ref) over the tokens, ref from a frozen copy of the weights the trainer started from."""
+    from streamrl.buffer.padded import to_padded
+    from streamrl.correction import PolicyBatch, make_loss
+
+    data = batch()
+    t = kl_trainer(tiny_model_dir, kl_coef=0.5)
+    t.train(data)  # θ moves away from the reference
+    padded = to_padded(data)
+    mask = padded.loss_mask[:, 1:]
+    adv = torch.zeros_like(mask, dtype=torch.float32)  # isolate the penalty: no policy-gradient term
+    with torch.no_grad():
+        ref = trainer(tiny_model_dir)._token_logprobs(padded.input_ids, padded.attention_mask)  # initial weights
+    theta = t._token_logprobs(padded.input_ids, padded.attention_mask)
+    loss, metrics = make_loss(LossConfig(name="reinforce", kl_coef=0.5, kl_estimator="k1"))(
+        PolicyBatch(theta, padded.behavior_logprobs[:, 1:], adv, mask, ref_logprobs=t._reference_logprobs(
+            padded, (padded.prompt_lengths + padded.response_lengths).numpy(), np.arange(len(mask)))))
+    by_hand = 0.5 * ((theta - ref) * mask).sum() / mask.sum()
+    grads = torch.autograd.grad(loss, list(t.model.parameters()), retain_graph=True)
+    expected = torch.autograd.grad(by_hand, list(t.model.parameters()))
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert float(metrics["kl_ref"]) == pytest.approx(float(by_hand.detach()) / 0.5, rel=1e-5)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_large_kl_coefficient_keeps_the_policy_at_its_reference(tiny_model_dir, offload):
+    data = batch(seed=1)
+    free = kl_trainer(tiny_model_dir, 1e-4, "k3")  # k3 ≥ 0 on any tokens (these are not sampled from θ)
+    held = kl_trainer(tiny_model_dir, 50.0, "k3", reference_offload=offload)
+    for _ in range(6):
+        loose, tight = free.train(data), held.train(data)
+    assert loose["kl_ref"] > 0.05  # the policy moved away from its start
+    assert tight["kl_ref"] < loose["kl_ref"] / 10
+    assert held.reference.device.type == "cpu" if offload else True
+
+
+def test_a_resumed_trainer_keeps_the_initial_weights_as_its_reference(tiny_model_dir, tmp_path):
+    first = kl_trainer(tiny_model_dir, 0.5)
+    first.train(batch())
+    first.save(tmp_path)
+    resumed = TorchTrainer(tmp_path / "model", trainer=TrainerSection(lr=3e-2),
+                           loss=LossConfig(name="reinforce", kl_coef=0.5, kl_estimator="k1"), group_size=4,
+                           reference_dir=tiny_model_dir)
+    for ours, initial in zip(resumed.reference.parameters(), trainer(tiny_model_dir).model.parameters()):
+        torch.testing.assert_close(ours, initial, atol=0, rtol=0)

@@ -38,18 +38,14 @@ class LossConfig(BaseModel):
     aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
     """How per-token losses become one number."""
     kl_coef: float = Field(0.0, ge=0)
-    """Weight of a KL penalty to a reference policy (0: none). Only 0 is accepted until streamrl keeps a
-    reference policy: the trainer has no reference log-probs to penalise against."""
+    """Weight of a KL penalty to the reference policy, a frozen copy of the run's initial weights that
+    the trainer keeps (0: none, and no reference copy)."""
     kl_estimator: Literal["k1", "k3"] = "k3"
 
     @model_validator(mode="after")
     def _bounds(self) -> LossConfig:
         if self.lo >= self.hi:
             raise ValueError(f"lo={self.lo} must be below hi={self.hi}")
-        if self.kl_coef > 0:
-            raise ValueError(f"kl_coef={self.kl_coef}: a KL penalty needs a reference policy, which streamrl "
-                             "does not keep yet (the trainer computes no reference log-probs, so the penalty "
-                             "would silently do nothing); set loss.kl_coef = 0")
         return self
 
     @property

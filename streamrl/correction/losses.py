@@ -113,7 +113,9 @@ def _finish(per_token: torch.Tensor, batch: PolicyBatch, valid: torch.Tensor, *,
             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Add the KL penalty, aggregate, and compute the metrics every loss reports."""
     metrics: dict[str, torch.Tensor] = {}
-    if kl_coef and batch.ref_logprobs is not None:
+    if kl_coef and batch.ref_logprobs is None:  # a penalty that silently did nothing would be worse
+        raise ValueError(f"kl_coef={kl_coef} needs the reference policy's log-probs (ref_logprobs)")
+    if kl_coef:
         kl = _kl_penalty(batch.logprobs, batch.ref_logprobs, valid, kl_estimator)
         per_token = per_token + kl_coef * kl
         metrics["kl_ref"] = _masked_mean(kl.detach(), valid)

@@ -259,7 +259,9 @@ class TrainerShell:
 
 class TrainerActor(TrainerShell):
     def __init__(self, run_name: str, config: dict[str, Any], model_dir: str, resume_dir: str | None = None,
-                 search_path: str | None = None, rank_group: Any = None):
+                 search_path: str | None = None, rank_group: Any = None, reference_dir: str | None = None):
+        """`model_dir`: the weights to train from (a checkpoint's when resuming); `reference_dir`: the run's
+        initial weights, the reference policy of a KL penalty (default: `model_dir`)."""
         import torch
 
         from streamrl.tasks import make_task
@@ -270,7 +272,8 @@ class TrainerActor(TrainerShell):
 
             quiet_transformers()
         torch.set_num_threads(cfg.trainer.threads)
-        trainer = _make_learner(run_name, cfg, config, model_dir, resume_dir, rank_group)
+        trainer = _make_learner(run_name, cfg, config, model_dir, resume_dir, rank_group,
+                                reference_dir=reference_dir or model_dir)
         if resume_dir is not None:
             trainer.load_optimizer(resume_dir)
         colocated = cfg.producers.count if cfg.trainer.colocated else 0
@@ -329,13 +332,14 @@ class TrainerActor(TrainerShell):
 
 
 def _make_learner(run_name: str, cfg: RunConfig, config: dict[str, Any], model_dir: str, resume_dir: str | None,
-                  rank_group: Any = None):
+                  rank_group: Any = None, *, reference_dir: str):
     """The torch trainer, the megatron trainer, or a megatron rank group (tensor parallel × data
     parallel > 1): this process is rank 0, the other ranks are actors it owns, each in its bundle of
     `rank_group` (the placement group that keeps them on this node) with the resources the trainer
     reserves each."""
     common = dict(trainer=cfg.trainer, loss=cfg.loss, group_size=cfg.queue.group_size,
-                  temperature=cfg.sampling.temperature, seed=cfg.run.seed, lr_horizon=cfg.optimizer_steps)
+                  temperature=cfg.sampling.temperature, seed=cfg.run.seed, lr_horizon=cfg.optimizer_steps,
+                  reference_dir=reference_dir)
     if cfg.trainer.backend == "torch":
         from streamrl.trainer.torch_trainer import TorchTrainer
 
@@ -353,7 +357,8 @@ def _make_learner(run_name: str, cfg: RunConfig, config: dict[str, Any], model_d
         return MegatronTrainer(model_dir, **common)
     address, port = ray.util.get_node_ip_address(), free_port()
     remotes = [create_actor(MegatronRank, run_name, f"trainer-rank{rank}", config, model_dir, resume_dir, rank,
-                            world, address, port, num_cpus=cfg.trainer.num_cpus, num_gpus=cfg.trainer.num_gpus,
+                            world, address, port, reference_dir, num_cpus=cfg.trainer.num_cpus,
+                            num_gpus=cfg.trainer.num_gpus,
                             placement=(rank_group, rank))
                for rank in range(1, world)]  # they wait in init_process_group until rank 0 joins
     local = MegatronTrainer(model_dir, rank=0, world_size=world, master_addr=address, master_port=port, **common)

@@ -252,7 +252,8 @@ class Run:
         # (one server at a time: a broadcast, and the open or close that can overlap a failed one)
         broadcasts = 3 * cfg.producers.count if self.trainer_sends_weights else 0
         self.trainer = create_actor(TrainerActor, self.name, "trainer", self.name, config_dict, str(trainer_model),
-                                    trainer_resume, search_path, self.trainer_group, num_cpus=cfg.trainer.num_cpus,
+                                    trainer_resume, search_path, self.trainer_group, str(model_dir),
+                                    num_cpus=cfg.trainer.num_cpus,
                                     num_gpus=cfg.trainer.num_gpus, max_concurrency=3 + broadcasts,
                                     placement=(self.trainer_group, 0))
         self.actors.append(self.trainer)

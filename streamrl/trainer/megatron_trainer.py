@@ -44,26 +44,37 @@ _BUCKET_ELEMENTS = 1 << 25  # 32 Mi gradient elements (128 MiB in float32) per d
 class MegatronTrainer(TorchTrainer):
     def __init__(self, model_dir: str | Path, *, trainer: TrainerSection, loss: LossConfig, group_size: int,
                  temperature: float = 1.0, version: int = 0, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 master_addr: str = "127.0.0.1", master_port: int | None = None, lr_horizon: int | None = None):
+                 master_addr: str = "127.0.0.1", master_port: int | None = None, lr_horizon: int | None = None,
+                 reference_dir: str | Path | None = None):
         parallel.initialize(rank=rank, world_size=world_size, tensor_parallel=trainer.tensor_parallel,
                             data_parallel=trainer.data_parallel, pipeline_parallel=trainer.pipeline_parallel,
                             master_addr=master_addr, master_port=master_port,
                             seed=seed, timeout_s=trainer.collective_timeout_s)
         # The Hugging Face model stays as the mirror the weights are exported through (eval, save).
         self.mirror, self.tokenizer = load_policy(model_dir, train=False)
-        self.model, self.layout, self.stage = build_model(self.mirror.config)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp = parallel_state.get_data_parallel_world_size()
         self.pipeline = PipelineGroup.current()
-        shard = hf_to_megatron(self.mirror.state_dict(), self.layout, rank=self.tp_rank, tp=self.tp, stage=self.stage)
-        missing, unexpected = self.model.load_state_dict(shard, strict=False)
+        self.model = self._stage_model(self.mirror.state_dict())
+        self._setup(trainer, loss, group_size, temperature, version, seed, lr_horizon,
+                    reference_dir=reference_dir or model_dir)
+
+    def _stage_model(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """This rank's part of the model (its tensor-parallel shard of its pipeline stage) with `hf_state`."""
+        model, self.layout, self.stage = build_model(self.mirror.config)
+        shard = hf_to_megatron(hf_state, self.layout, rank=self.tp_rank, tp=self.tp, stage=self.stage)
+        missing, unexpected = model.load_state_dict(shard, strict=False)
         missing = [name for name in missing if not name.endswith("_extra_state")]
         if missing or unexpected:
             raise RuntimeError(f"converted weights do not fit the megatron model: missing {missing[:4]}, "
                                f"unexpected {unexpected[:4]}")
-        self._setup(trainer, loss, group_size, temperature, version, seed, lr_horizon)
+        return model
+
+    def _load_reference(self, path: Path) -> torch.nn.Module:
+        reference, _ = load_policy(path)
+        return self._stage_model(reference.state_dict())
 
     @property
     def optimizer_file(self) -> str:

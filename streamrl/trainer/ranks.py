@@ -29,7 +29,7 @@ class MegatronRank:
     """Rank r > 0 of the trainer: the same MegatronTrainer, driven by rank 0."""
 
     def __init__(self, config: dict[str, Any], model_dir: str, resume_dir: str | None, rank: int, world_size: int,
-                 master_addr: str, master_port: int):
+                 master_addr: str, master_port: int, reference_dir: str | None = None):
         import torch
 
         from streamrl.models.hf import quiet_transformers
@@ -41,7 +41,7 @@ class MegatronRank:
         self.trainer = MegatronTrainer(model_dir, trainer=cfg.trainer, loss=cfg.loss, group_size=cfg.queue.group_size,
                                        temperature=cfg.sampling.temperature, seed=cfg.run.seed, rank=rank,
                                        world_size=world_size, master_addr=master_addr, master_port=master_port,
-                                       lr_horizon=cfg.optimizer_steps)
+                                       lr_horizon=cfg.optimizer_steps, reference_dir=reference_dir)
         if resume_dir is not None:
             self.trainer.load_optimizer(resume_dir)
 

@@ -8,6 +8,11 @@
      clip the gradient norm ─► AdamW step
  version + 1 (the staleness contract: B groups per version, however many optimizer steps they make)
 ```
+With `loss.kl_coef > 0` a frozen copy of the initial policy (the run's starting weights, also after a
+resume) gives reference log-probs for the KL penalty: one more no-grad forward pass per step, through
+the same micro-batches (and pipeline stages); `trainer.reference_offload` keeps that copy in host
+memory between steps.
+
 The proximal log-probs `p` are the trainer's weights at the start of the step. With one optimizer
 step per consumed batch (the default) `p` equals θ's value in the same forward pass, so it is taken as
 `θ.detach()` instead of paying for a second forward pass; then `decoupled_ppo` and `tis` coincide
@@ -19,6 +24,7 @@ read `p` (`LossConfig.needs_proximal`: `ppo_bypass`, `reinforce`) never pays for
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import time
@@ -76,20 +82,26 @@ def advantages(rewards: torch.Tensor, group_size: int, kind: str) -> torch.Tenso
 class TorchTrainer:
     def __init__(self, model_dir: str | Path, *, trainer: TrainerSection, loss: LossConfig, group_size: int,
                  temperature: float = 1.0, version: int = 0, seed: int = 0, lr_horizon: int | None = None,
-                 dtype: str = "float32", attention: str = "eager"):
+                 dtype: str = "float32", attention: str = "eager", reference_dir: str | Path | None = None):
         torch.manual_seed(seed)
         self.model, self.tokenizer = load_policy(model_dir, train=True, dtype=dtype, attention=attention)
         self.model.to(default_device())
-        self.compute_dtype = dtype  # the weights and optimizer state stay float32 (see load_policy)
+        self.compute_dtype, self.attention = dtype, attention  # weights and optimizer state stay float32
         if trainer.gradient_checkpointing:
             _enable_activation_checkpointing(self.model)
-        self._setup(trainer, loss, group_size, temperature, version, seed, lr_horizon)
+        self._setup(trainer, loss, group_size, temperature, version, seed, lr_horizon,
+                    reference_dir=reference_dir or model_dir)
 
     def _setup(self, trainer: TrainerSection, loss: LossConfig, group_size: int, temperature: float, version: int,
-               seed: int, lr_horizon: int | None = None) -> None:
-        """Everything but the model: loss, optimizer over `self.model`'s parameters, version, shuffle.
-        `lr_horizon`: the run's optimizer steps, where a decaying schedule ends unless `lr_decay_steps` says."""
+               seed: int, lr_horizon: int | None = None, *, reference_dir: str | Path) -> None:
+        """Everything but the model: loss, optimizer over `self.model`'s parameters, version, shuffle, the
+        reference policy (from `reference_dir`, with a KL penalty). `lr_horizon`: the run's optimizer
+        steps, where a decaying schedule ends unless `lr_decay_steps` says."""
         self.config, self.group_size, self.temperature = trainer, group_size, temperature
+        self.reference = None
+        if loss.kl_coef > 0:
+            self.reference = self._load_reference(Path(reference_dir)).requires_grad_(False).eval()
+            self.reference.to(torch.device("cpu") if trainer.reference_offload else self.device)
         self.lr_decay_steps = trainer.lr_decay_steps or lr_horizon
         self.optimizer_steps = 0  # taken so far: the schedule's position, saved with the checkpoint
         lr_at(0, **self._lr_schedule())  # a decaying schedule without a horizon fails here, not at its first step
@@ -101,6 +113,30 @@ class TorchTrainer:
                                            weight_decay=trainer.weight_decay)
         self.version = version
         self._rng = np.random.default_rng(seed)  # the mini-batch shuffle
+
+    def _load_reference(self, path: Path) -> torch.nn.Module:
+        """The frozen reference policy: the same architecture as `self.model`, the weights at `path`."""
+        model, _ = load_policy(path, train=True, dtype=self.compute_dtype, attention=self.attention)
+        return model
+
+    @contextlib.contextmanager
+    def _as_reference(self) -> Iterator[None]:
+        """Forward passes inside run the reference policy (on the trainer's device while they run)."""
+        live, device = self.model, self.device
+        self.reference.to(device)
+        self.model = self.reference
+        try:
+            yield
+        finally:
+            self.model = live
+            if self.config.reference_offload:
+                self.reference.to("cpu")
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch, lengths: np.ndarray, mine: np.ndarray) -> torch.Tensor:
+        """Reference log-probs for the rows `mine` (the others stay 0)."""
+        with self._as_reference():
+            return self._forward_logprobs(batch, lengths, mine)
 
     def _lr_schedule(self) -> dict[str, Any]:
         c = self.config
@@ -125,7 +161,9 @@ class TorchTrainer:
         adv = broadcast_to_tokens(advantages(batch.rewards, self.group_size, self.config.advantage), mask)
         parts = self._minibatch_rows(len(lengths))
         # one optimizer step: p is θ in the same forward pass (see the module docstring)
-        proximal = None if len(parts) == 1 or not self.needs_proximal else self._proximal_logprobs(
+        proximal = None if len(parts) == 1 or not self.needs_proximal else self._forward_logprobs(
+            batch, lengths, np.sort(np.concatenate([self._shard(rows) for rows in parts])))
+        reference = None if self.reference is None else self._reference_logprobs(
             batch, lengths, np.sort(np.concatenate([self._shard(rows) for rows in parts])))
         saved = None if len(parts) == 1 else (_host_copy(self.model.state_dict()),  # host memory, not the GPU's
                                               _host_copy(self.optimizer.state_dict()), self.optimizer_steps)
@@ -136,7 +174,7 @@ class TorchTrainer:
         for rows in parts:
             try:
                 grad_norms.append(self._optimizer_step(batch, rows, lengths, mask, adv, proximal, totals,
-                                                       step_tokens=tokens))
+                                                       step_tokens=tokens, reference=reference))
             except FloatingPointError:
                 if saved is not None:  # earlier mini-batches of this step were applied: undo them
                     self.model.load_state_dict(saved[0])
@@ -171,9 +209,9 @@ class TorchTrainer:
         return rows
 
     @torch.no_grad()
-    def _proximal_logprobs(self, batch, lengths: np.ndarray, mine: np.ndarray) -> torch.Tensor:
-        """p for the rows `mine` (the others stay 0): the weights at the start of the step, before any
-        mini-batch moved them."""
+    def _forward_logprobs(self, batch, lengths: np.ndarray, mine: np.ndarray) -> torch.Tensor:
+        """No-grad log-probs of the rows `mine` (the others stay 0): p, when called before any mini-batch
+        moved the weights; the reference policy's inside `_as_reference`."""
         proximal = torch.zeros_like(batch.behavior_logprobs[:, 1:])
         parts = self._micro_batch_rows(lengths, mine)
         for rows, logprobs in zip(parts, self._forward_only(batch, lengths, parts)):
@@ -201,7 +239,8 @@ class TorchTrainer:
             loss_of(rows, self._micro_batch_logprobs(batch, lengths, rows)).backward()
 
     def _optimizer_step(self, batch, rows: np.ndarray, lengths: np.ndarray, mask: torch.Tensor, adv: torch.Tensor,
-                        proximal: torch.Tensor | None, totals: dict[str, float], *, step_tokens: int) -> float:
+                        proximal: torch.Tensor | None, totals: dict[str, float], *, step_tokens: int,
+                        reference: torch.Tensor | None = None) -> float:
         """Accumulate the gradient of `rows` (this rank's share of them) over micro-batches, clip, step;
         metrics into `totals` weighted by the mini-batch's share of the step's tokens. The loss is
         normalised by the whole mini-batch's tokens (or rows), so that data-parallel ranks' gradients sum
@@ -221,7 +260,8 @@ class TorchTrainer:
                 prox = theta.detach() if proximal is None else proximal[rows_t, cut]
             loss, metrics = self.loss_fn(
                 PolicyBatch(logprobs=theta, behavior_logprobs=behavior[rows_t, cut], advantages=adv[rows_t, cut],
-                            mask=mask[rows_t, cut], proximal_logprobs=prox, versions=versions[rows_t, cut]),
+                            mask=mask[rows_t, cut], proximal_logprobs=prox, versions=versions[rows_t, cut],
+                            ref_logprobs=None if reference is None else reference[rows_t, cut]),
                 denominator=denominator, trainer_version=self.version)
             within = float(mask[rows_t].sum()) / max(tokens, 1)
             _accumulate(totals, metrics, share=share * within, loss=share * float(loss.detach()))
@@ -255,6 +295,8 @@ class TorchTrainer:
     def _move(self, device: torch.device) -> None:
         self.optimizer.zero_grad(set_to_none=True)  # the last step's gradients are not carried along
         self.model.to(device)
+        if self.reference is not None and not self.config.reference_offload:
+            self.reference.to(device)
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and key != "step":  # AdamW keeps `step` on the CPU
