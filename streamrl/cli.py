@@ -58,6 +58,8 @@ def launch(args: argparse.Namespace) -> int:
         overrides.append(f"run.name={json.dumps(args.name)}")
     if args.address is not None:
         overrides.append(f"ray.address={json.dumps(args.address)}")
+    if args.log_level is not None:
+        overrides.append(f"logging.level={json.dumps(args.log_level)}")
     try:
         config, run_dir, checkpoint = prepare(args.config, overrides, resume=args.resume)
     except (ConfigError, RunDirError) as exc:
@@ -134,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--name", help="run name (actors RUN/..., directory output_dir/RUN)")
     run.add_argument("--address", help="join this Ray cluster (HOST:PORT or auto) instead of starting one")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    run.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                     help="what RUN_DIR/logs/*.log record (default: logging.level, info)")
     run.set_defaults(func=launch)
 
     adm = verbs.add_parser("admission", help="pause, resume or inspect a running job's admission control")

@@ -259,6 +259,9 @@ class TrainerSection(_Section):
 
 
 class LoggingSection(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    """What each process writes to `RUN_DIR/logs/<actor>.log` (`--log-level`): weight loads and their stall,
+    admission holds, groups given back, reward failures, server restarts, replaced producers."""
     progress: Literal["auto", "bar", "line", "none"] = "auto"
     """auto: a live bar on a terminal, one line every `line_every` steps otherwise."""
     line_every: int = Field(10, ge=1)

@@ -72,6 +72,11 @@ def test_a_producer_that_dies_while_the_others_keep_the_trainer_fed_is_replaced(
     assert replaced["step"] < 30, "noticed only when the run stopped"
     assert len(summary["producers"]) == 3
     assert summary["queue"]["running"] == 0  # no ticket of the dead producer kept its slot
+    logs = run_dir.path / "logs"
+    dead = replaced["producer"]
+    assert f"producer {dead} died at step" in (logs / "driver.log").read_text()
+    assert f"producer {dead} is gone: its running tickets" in (logs / "queue.log").read_text()
+    assert f"producer {dead} started" in (logs / f"producer-{dead}-restart1.log").read_text()
     assert_nothing_lost_or_repeated(run_dir, 30)
 
 

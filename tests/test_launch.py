@@ -52,6 +52,17 @@ def test_a_launch_writes_the_run_directory(finished):
     assert list((run_dir.path / "wandb").glob("offline-run-*"))  # wandb logged offline, no account needed
 
 
+def test_every_actor_writes_its_own_log(finished):
+    _, run_dir = finished
+    logs = run_dir.path / "logs"
+    assert {p.name for p in logs.iterdir()} == {"driver.log", "queue.log", "weights.log", "trainer.log",
+                                                  "producer-0.log", "producer-1.log"}
+    for producer in ("producer-0.log", "producer-1.log"):
+        text = (logs / producer).read_text()
+        assert "started" in text and "weights version 1 in use (generation held up" in text
+    assert "checkpoint of version 8 written" in (logs / "trainer.log").read_text()
+
+
 def test_the_run_left_no_actor_behind(finished):
     summary, _ = finished
     for role in ("queue", "weights", "trainer", "producer-0", "producer-1"):

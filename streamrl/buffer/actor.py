@@ -17,6 +17,7 @@ pool, so they never hold up other callers.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 from pathlib import Path
@@ -25,9 +26,12 @@ from typing import Any
 import pyarrow as pa
 import ray
 
+from streamrl import logs
 from streamrl.buffer.checkpoint import load_queue, save_queue
 from streamrl.buffer.config import QueueConfig
 from streamrl.buffer.queue import OPERATOR_HOLD, Admission, ReplayQueue, Ticket, TrainGroups, assemble
+
+log = logging.getLogger(__name__)
 
 NAMESPACE = "streamrl"
 
@@ -38,6 +42,7 @@ def queue_actor_name(run_name: str) -> str:
 
 class QueueActor:
     def __init__(self, config: dict[str, Any], restore_from: str | None = None):
+        logs.setup_actor_logging()
         cfg = QueueConfig(**config)
         self.queue = load_queue(restore_from, cfg, wrap=ray.put) if restore_from else ReplayQueue(cfg)
 
@@ -61,9 +66,12 @@ class QueueActor:
 
     def abandon(self, ticket_ids: list[int]) -> None:
         self.queue.abandon(ticket_ids)
+        log.info("tickets %s given back: their prompts are generated again", ticket_ids)
 
     def abandon_producer(self, producer_id: int) -> list[int]:
-        return self.queue.abandon_producer(producer_id)
+        returned = self.queue.abandon_producer(producer_id)
+        log.warning("producer %s is gone: its running tickets %s go back", producer_id, returned)
+        return returned
 
     def get(self, num_groups: int | None = None, timeout: float | None = None) -> TrainGroups | None:
         return self.queue.get(num_groups, timeout)
@@ -72,10 +80,14 @@ class QueueActor:
         self.queue.set_version(version)
 
     def pause(self, hold: str = OPERATOR_HOLD) -> bool:
-        return self.queue.pause(hold)
+        changed = self.queue.pause(hold)
+        log.info("admission paused by %s%s", hold, "" if changed else " (already held)")
+        return changed
 
     def resume(self, hold: str = OPERATOR_HOLD) -> bool:
-        return self.queue.resume(hold)
+        changed = self.queue.resume(hold)
+        log.info("%s's hold on admission lifted%s", hold, "" if changed else " (it held none)")
+        return changed
 
     def close(self) -> None:
         self.queue.close()
@@ -123,8 +135,9 @@ def create_queue_actor(run_name: str, config: QueueConfig, restore_from: str | N
                        max_concurrency: int = 32) -> ray.actor.ActorHandle:
     """Start the named queue actor of a run (fails if one with that name is alive)."""
     cls = ray.remote(num_cpus=0, max_concurrency=max_concurrency)(QueueActor)
-    return cls.options(name=queue_actor_name(run_name), namespace=NAMESPACE,
-                       lifetime="non_detached").remote(config.model_dump(), restore_from)
+    env = logs.actor_env("queue")
+    return cls.options(name=queue_actor_name(run_name), namespace=NAMESPACE, lifetime="non_detached",
+                       **({"runtime_env": {"env_vars": env}} if env else {})).remote(config.model_dump(), restore_from)
 
 
 def get_queue_actor(run_name: str) -> ray.actor.ActorHandle:

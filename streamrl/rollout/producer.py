@@ -18,6 +18,7 @@ nothing is skipped and nothing is generated twice for training.
 
 from __future__ import annotations
 
+import logging
 import queue as stdlib_queue
 import threading
 import time
@@ -34,6 +35,9 @@ from streamrl.buffer.schema import build_batch
 from streamrl.engine.base import Engine, Sample, to_generation
 from streamrl.engine.generation import Generation
 from streamrl.tasks import Task, group_rewards
+
+log = logging.getLogger(__name__)
+
 
 
 class QueueClient(Protocol):
@@ -55,6 +59,8 @@ def commit_or_give_back(queue: QueueClient, batch: pa.RecordBatch, ticket_ids: l
         queue.commit(batch)
         return True
     except TicketExpired:
+        log.info("groups %s went over the staleness budget while they ran: their prompts go back to be "
+                 "generated again", ticket_ids)
         queue.abandon(ticket_ids)
         return False
     except BaseException:
@@ -161,6 +167,7 @@ class RolloutProducer:
             return
         self.stalls.append(stall)
         self.stats["weight_updates"] += 1
+        log.info("weights version %s in use (generation held up %.3f s)", self.engine.weights.version, stall)
         self._abort_doomed(self.engine.weights.version)
 
     def _abort_doomed(self, version: int) -> None:
@@ -174,6 +181,8 @@ class RolloutProducer:
             self.engine.cancel(key)
             del self._groups[key]
         if doomed:
+            log.info("groups %s can no longer be trained within the staleness budget at version %s: stopped, "
+                     "their prompts go back", doomed, version)
             self.stats["aborted_groups"] += len(doomed)
             self._commits.put((doomed, None))  # the commit thread gives the prompts back
 
@@ -250,6 +259,8 @@ class RolloutProducer:
                 held = self.engine.weights.version
                 admission = self.queue.admit(self.producer_id, free, weights_version=held,
                                              timeout=self.admit_timeout)
+                if admission.blocked_by != self.last_blocked_by:
+                    log.info("admission %s", f"held: {admission.blocked_by}" if admission.blocked_by else "open")
                 self.last_blocked_by = admission.blocked_by
                 if admission.tickets:
                     with self._cond:

@@ -12,6 +12,7 @@ restarted driver can find them. Weights cross the object store as numpy arrays.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -24,12 +25,14 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from streamrl import failpoints
+from streamrl import failpoints, logs
 from streamrl.buffer.actor import NAMESPACE, Outbox, fetch_table, get_queue_actor
 from streamrl.buffer.queue import Admission, QueueClosed
 from streamrl.config import RunConfig
 from streamrl.engine.base import accept_offer
 from streamrl.weights.actor import WeightPublisher
+
+log = logging.getLogger(__name__)
 
 
 def actor_name(run_name: str, role: str) -> str:
@@ -79,6 +82,7 @@ class ProducerActor:
         from streamrl.rollout.producer import RolloutProducer
         from streamrl.runtime.engines import make_engine
 
+        logs.setup_actor_logging()
         cfg = RunConfig.model_validate(config)
         if cfg.producers.engine != "sim":  # the simulator's processes never import transformers
             from streamrl.models.hf import quiet_transformers
@@ -92,6 +96,8 @@ class ProducerActor:
                                         engine=engine, task=task, group_size=cfg.queue.group_size,
                                         max_staleness=cfg.queue.max_staleness)
         self._stop = threading.Event()
+        log.info("producer %s started (pid %s): %s engine, capacity %s sequences, seed %s", producer_id, os.getpid(),
+                 cfg.producers.engine, engine.capacity, seed)
 
     def ready(self) -> int:
         return os.getpid()
@@ -266,6 +272,7 @@ class TrainerActor(TrainerShell):
 
         from streamrl.tasks import make_task
 
+        logs.setup_actor_logging()
         cfg = self.config = RunConfig.model_validate(config)
         if cfg.trainer.backend != "sim":  # the simulator's processes never import transformers
             from streamrl.models.hf import quiet_transformers
@@ -294,6 +301,7 @@ class TrainerActor(TrainerShell):
 
     def checkpoint(self, directory: str) -> None:
         self.trainer.save(Path(directory))
+        log.info("checkpoint of version %s written to %s", getattr(self.trainer, "version", None), directory)
 
     # ---- rank 0 of the sglang update groups (producers.sglang.weights = "distributed") -------------------
     # Called by the producer that owns each server, in this actor's other threads while a step runs; the
@@ -374,8 +382,9 @@ def create_actor(cls: type, run_name: str, role: str, *args, num_cpus: float = 0
     remote_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=max_concurrency)(cls)
     options: dict[str, Any] = {"name": actor_name(run_name, role), "namespace": NAMESPACE,
                                "lifetime": "non_detached"}
-    if failpoints.actor_env():
-        options["runtime_env"] = {"env_vars": failpoints.actor_env()}
+    env = {**failpoints.actor_env(), **logs.actor_env(role)}
+    if env:
+        options["runtime_env"] = {"env_vars": env}
     if placement is not None and placement[0] is not None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import signal
 import threading
@@ -27,7 +28,7 @@ from typing import Any
 
 import ray
 
-from streamrl import failpoints
+from streamrl import failpoints, logs
 from streamrl.buffer.actor import NAMESPACE, create_queue_actor
 from streamrl.config import ConfigError, RunConfig
 from streamrl.runtime.actors import ProducerActor, TrainerActor, create_actor
@@ -38,6 +39,8 @@ from streamrl.runtime.progress import ProgressView
 from streamrl.runtime.rundir import RunDir, RunDirError
 from streamrl.runtime.summary import summarize
 from streamrl.weights.actor import WeightsActor
+
+log = logging.getLogger(__name__)
 
 # Fields a resumed run may not change: they define the data already generated and the model trained.
 FROZEN_ON_RESUME = ("model", "task", "queue.group_size", "queue.groups_per_step", "trainer.backend",
@@ -169,10 +172,12 @@ def connect_ray(config: RunConfig) -> bool:
     if ray.is_initialized():
         return False
     try:
+        # log_to_driver off: actors' output and Ray's worker-death dumps stay in their log files (RUN_DIR/logs,
+        # Ray's session logs); the driver prints one line of its own for what the user must know
         if config.ray.address:
-            join_cluster(config.ray.address, namespace=NAMESPACE, logging_level="WARNING")
+            join_cluster(config.ray.address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
         else:
-            start_local(config.ray.num_cpus, namespace=NAMESPACE, logging_level="WARNING")
+            start_local(config.ray.num_cpus, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
     except RayConnectError as exc:
         raise ConfigError(f"ray.address: {exc}" if config.ray.address else str(exc)) from exc
     return True
@@ -336,6 +341,7 @@ class Run:
         checkpoint = self.run_dir.latest_checkpoint_name()
         resume = (f"To resume from {checkpoint}: streamrl launch --resume {self.run_dir.path}" if checkpoint else
                   "No checkpoint was written yet (run.checkpoint_every): start the run again")
+        log.error("the %s actor died at step %s (%s)", role, self.step, _first_line(exc))
         self.run_dir.append(EVENTS_FILE, {"event": "run_failed", "dead": role, "step": self.step,
                                           "error": _first_line(exc), "at": time.time()})
         return RunFailed(f"the {role} actor died at step {self.step} ({_first_line(exc)}); the run stopped. "
@@ -357,6 +363,8 @@ class Run:
         self.actors.remove(old)
         self.producers[pid] = self._create_producer(pid, restart=self.producer_restarts)
         self.producer_runs[pid] = self.producers[pid].run.remote()
+        log.warning("producer %s died at step %s (%s); %s running groups go back, replaced by a new producer",
+                    pid, self.step, _first_line(exc), len(returned))
         self.run_dir.append(EVENTS_FILE, {"event": "producer_replaced", "producer": pid, "step": self.step,
                                           "prompts_returned": len(returned), "update_groups_closed": groups_closed,
                                           "error": _first_line(exc), "at": time.time()})
@@ -538,6 +546,8 @@ class Run:
         if self.trainer_sends_weights:
             summary["trainer_weight_broadcasts"] = ray.get(self.trainer.weight_broadcasts.remote())
         self.run_dir.write_json("summary.json", summary)
+        log.info("run stopped by %s at step %s; summary in %s", self.stopped_by, summary.get("steps"),
+                 self.run_dir.path / "summary.json")
         return summary
 
     def teardown(self) -> None:
@@ -596,9 +606,11 @@ def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
     run = Run(config, run_dir, resume_from=resume_from)
     if sigterm_stops:
         signal.signal(signal.SIGTERM, signal.default_int_handler)
+    logs.configure_run(run_dir.path / "logs", config.logging.level)  # Ray's start-up notices too
     try:
         started_ray = connect_ray(config)
     except BaseException:
+        logs.end_run()
         if resume_from is None:
             run_dir.discard_unstarted()  # an unreachable cluster, or Ctrl-C while joining it: nothing ran
         raise
@@ -606,6 +618,9 @@ def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
         signal.signal(signal.SIGTERM, signal.default_int_handler)
     view = ProgressView(config.logging.progress, config.run.steps, run.start_step, config.logging.line_every)
     view.print(f"streamrl run {config.run.name!r} → {run_dir.path}")
+    log.info("run %r %s at step %s: %s producers (%s engine), %s trainer", config.run.name,
+             "resumed" if resume_from else "started", run.start_step, config.producers.count,
+             config.producers.engine, config.trainer.backend)
     try:
         try:
             run.start()
@@ -629,5 +644,6 @@ def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
         try:
             run.teardown()
         finally:
+            logs.end_run()
             if started_ray:
                 ray.shutdown()

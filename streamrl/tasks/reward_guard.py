@@ -26,6 +26,7 @@ hang is not cut (the timeout is not enforced) and a crash of the interpreter tak
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import os
 import signal
@@ -42,6 +43,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Literal, Protocol
+
+log = logging.getLogger(__name__)
+
 
 FAILURE_KINDS = ("raised", "timeout", "nan", "none", "not_a_number", "out_of_range")
 
@@ -301,6 +305,7 @@ class RewardGuard:
             return payload
         self.counts[kind] += 1
         self.recent.append(RewardFailure(kind, payload))
+        log.warning("reward failed (%s): %s; the sample gets %g", kind, payload, self.fallback)
         return self.fallback
 
     def close(self) -> None:

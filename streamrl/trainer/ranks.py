@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 
+from streamrl import logs
 from streamrl.config import RunConfig
 
 
@@ -36,6 +37,7 @@ class MegatronRank:
         from streamrl.trainer.megatron_trainer import MegatronTrainer
 
         quiet_transformers()
+        logs.setup_actor_logging()
         cfg = RunConfig.model_validate(config)
         torch.set_num_threads(cfg.trainer.threads)
         self.trainer = MegatronTrainer(model_dir, trainer=cfg.trainer, loss=cfg.loss, group_size=cfg.queue.group_size,

@@ -14,17 +14,22 @@ its `have` keeps the registry's record of what each producer holds current.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
 import numpy as np
 import ray
 
+from streamrl import logs
 from streamrl.weights.registry import WeightRegistry
+
+log = logging.getLogger(__name__)
 
 
 class WeightsActor:
     def __init__(self) -> None:
+        logs.setup_actor_logging()
         self.registry = WeightRegistry()
 
     def publish(self, version: int, refs: list[ray.ObjectRef]) -> None:
@@ -34,6 +39,7 @@ class WeightsActor:
         # loaded, and a restarted trainer publishes again from its checkpoint.
         (ref,) = refs
         self.registry.publish(version, ref)
+        log.debug("version %s published", version)
 
     def acquire(self, holder: int, have: int | None, timeout: float = 0.0,
                 grace_s: float = 0.0) -> tuple[int, list] | None:
@@ -45,6 +51,7 @@ class WeightsActor:
 
     def drop_holder(self, holder: int) -> None:
         self.registry.drop_holder(holder)
+        log.info("producer %s holds no version any more", holder)
 
     def status(self) -> dict[str, Any]:
         return self.registry.status()

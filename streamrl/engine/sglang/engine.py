@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 import uuid
@@ -37,6 +38,8 @@ import numpy as np
 from streamrl.buffer.schema import LENGTH, STOP
 from streamrl.engine.sglang.client import EngineUnreachable, SglangClient, SglangError
 from streamrl.engine.sglang.server import ServerProcess
+
+log = logging.getLogger(__name__)
 
 Loader = Callable[[SglangClient], None]  # puts one version's weights into a server
 T = TypeVar("T")
@@ -246,6 +249,7 @@ class SglangEngine:
         with self._restart_lock:
             if self.server.alive() and self.client.alive():
                 return  # another request already restarted it (or the failure was not the server's)
+            log.warning("the sglang server at %s died (%s): restarting it", self.client.url, cause)
             self.server.restart()
             self.stats["restarts"] += 1
             if self._loaded is not None:

@@ -15,6 +15,7 @@ holds a thread per sample: every request is a coroutine of one event loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue as stdlib_queue
 import threading
 import time
@@ -24,6 +25,8 @@ from typing import Any
 from streamrl.engine.base import Sample
 from streamrl.engine.sglang.engine import EngineLost, EventLoopThread, Loader, SglangEngine
 from streamrl.weights.receiver import Fetch
+
+log = logging.getLogger(__name__)
 
 LoaderFor = Callable[[int, Any], Loader]  # (version, what fetch returned) → how that version enters a server
 
@@ -72,6 +75,8 @@ class SglangWeights:
                 load = self.loader_for(version, weights)
                 paused = sum(engine.update_weights(version, load) for engine in self.engines)
                 have = version
+                log.info("weights version %s loaded into %d servers (paused %.3f s in all)", version,
+                         len(self.engines), paused)
                 with self._cond:
                     self.history.append((time.time(), version))
                     self.pause_s += paused
