@@ -83,8 +83,10 @@ def test_apply_overrides_does_not_mutate_its_input():
 LAUNCH = __import__("pathlib").Path(__file__).resolve().parent.parent / "launch"
 
 
-@pytest.mark.parametrize("name", ["default", "sync", "one-step", "cpu-large", "cluster", "file-task", "gpu-split", "sim",
-                                  "gpu-cluster", "gpu-colocated", "long-tail"])
+@pytest.mark.parametrize("name", ["default", "sync", "one-step", "cpu-large", "cluster", "gpu-split", "sim",
+                                  "gpu-cluster", "gpu-colocated", "long-tail", "../examples/own_task/config",
+                                  "../examples/math_long_tail/config", "../examples/gpu/one_gpu_colocated",
+                                  "../examples/gpu/eight_gpus_split"])
 def test_example_configs_load(name):
     config = load_config(LAUNCH / f"{name}.toml")
     if name == "default":

@@ -184,7 +184,7 @@ def test_reward_settings_are_checked_at_load(overrides, message):
         load_config(None, overrides)
 
 
-CONFIG = Path(__file__).resolve().parents[1] / "launch" / "file-task.toml"
+CONFIG = Path(__file__).resolve().parents[1] / "examples" / "own_task" / "config.toml"
 EVERY_THIRD_RAISES = '''
 calls = 0
 
@@ -211,7 +211,7 @@ def test_a_file_task_launch_whose_reward_raises_on_every_third_call_completes_an
     config, run_dir, checkpoint = prepare(str(CONFIG), tiny(
         tmp_path, "flaky", "run.steps=3", "producers.count=1", "task.prompts=prompts.jsonl",
         "task.eval_prompts=prompts.jsonl", "task.reward=flaky_rewards:every_third_raises",
-        "sampling.max_new_tokens=3", f"model.path={json.dumps(str(tiny_model_dir))}"))
+        "sampling.max_new_tokens=3", f"model.path={json.dumps(str(tiny_model_dir))}", "task.chat_template=false"))
     summary = launch(config, run_dir, checkpoint)
     assert summary["steps"] == 3
     producer = summary["producers"][0]

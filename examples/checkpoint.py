@@ -1,0 +1,49 @@
+"""A small causal LM saved in Hugging Face format, built here (nothing is downloaded): a standard
+Qwen2 architecture config with random weights, and a character tokenizer with a chat template.
+
+Any Hugging Face checkpoint directory works the same way in `model.path`; this one is small enough
+for a CPU to train in minutes. The tokenizer has one token per character the task uses, plus the
+special tokens of its chat template, which `task.chat_template = true` renders prompts with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+# ChatML-like: each message is <|role|>content<|end|>; the model answers after <|assistant|> and stops at <eos>
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def char_tokenizer(chars: str, *, chat_template: bool = False) -> PreTrainedTokenizerFast:
+    specials = [PAD, BOS, EOS, *(CHAT_TOKENS if chat_template else ())]
+    vocab = {token: i for i, token in enumerate([*specials, *dict.fromkeys(chars)])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token=PAD))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS,
+                                        unk_token=PAD, clean_up_tokenization_spaces=False)
+    if chat_template:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(CHAT_TOKENS)})
+        tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def save_checkpoint(directory: str | Path, tokenizer: PreTrainedTokenizerFast, *, hidden: int = 64, layers: int = 2,
+                    heads: int = 4, intermediate: int = 256, positions: int = 64, seed: int = 0) -> Path:
+    """Random weights for `tokenizer`'s vocabulary, saved with it in `directory`."""
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=intermediate,
+                         max_position_embeddings=positions, tie_word_embeddings=True,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    directory = Path(directory)
+    Qwen2ForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -1,0 +1,43 @@
+"""Make this example's data and checkpoint: `python -m examples.own_task.prepare [--out DIR]`.
+
+Task: "shout" — the user sends a lowercase word, the assistant answers it in capitals. Prompts are
+chat messages (`task.chat_template = true` renders them with the tokenizer's template); the reward
+module gets the decoded answer and the row, whose `answer` column holds the capitals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+from pathlib import Path
+
+from examples.checkpoint import char_tokenizer, save_checkpoint
+from streamrl.models.hf import quiet_transformers
+
+LETTERS = "abcdef"
+HERE = Path(__file__).parent
+
+
+def rows(words: list[str]) -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": word}], "answer": word.upper()} for word in words]
+
+
+def prepare(out: Path, seed: int = 0) -> None:
+    quiet_transformers()
+    words = ["".join(w) for w in itertools.product(LETTERS, repeat=3)]
+    random.Random(seed).shuffle(words)
+    held_out, train = words[:24], words[24:]  # the held-out words are never trained on
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    for name, split in (("train", train), ("eval", held_out)):
+        (out / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(split)))
+    save_checkpoint(out / "checkpoint", char_tokenizer(LETTERS + LETTERS.upper(), chat_template=True), seed=seed)
+    print(f"wrote {len(train)} training and {len(held_out)} held-out prompts to {out / 'data'}, "
+          f"a {out / 'checkpoint'} Hugging Face checkpoint")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=HERE, help="where data/ and checkpoint/ go (default: here)")
+    prepare(parser.parse_args().out)
