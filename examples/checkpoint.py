@@ -8,6 +8,9 @@ special tokens of its chat template, which `task.chat_template = true` renders p
 
 from __future__ import annotations
 
+import argparse
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,3 +50,20 @@ def save_checkpoint(directory: str | Path, tokenizer: PreTrainedTokenizerFast, *
     Qwen2ForCausalLM(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def write_example(out: Path, splits: dict[str, list[dict]], tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> None:
+    """`out/data/<split>.jsonl` for each split and `out/checkpoint/`, and say so."""
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    for name, rows in splits.items():
+        (out / "data" / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    save_checkpoint(out / "checkpoint", tokenizer, seed=seed)
+    counts = ", ".join(f"{len(rows)} {name}" for name, rows in splits.items())
+    print(f"wrote {counts} prompts to {out / 'data'} and a Hugging Face checkpoint to {out / 'checkpoint'}")
+
+
+def main(prepare: Callable[[Path], None], doc: str, here: Path) -> None:
+    """An example's `prepare.py` command line: `--out DIR` (default: the example's own folder)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=here, help="where data/ and checkpoint/ go (default: here)")
+    prepare(parser.parse_args().out)

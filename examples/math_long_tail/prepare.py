@@ -8,13 +8,11 @@ rollout idles. The reward extracts the answer's digits and checks each against t
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 
-from examples.checkpoint import char_tokenizer, save_checkpoint
+from examples.checkpoint import char_tokenizer, main, write_example
 from streamrl.models.hf import quiet_transformers
 
 HERE = Path(__file__).parent
@@ -36,15 +34,9 @@ def prepare(out: Path, seed: int = 0, train: int = 20000, held_out: int = 256) -
     quiet_transformers()
     rng = np.random.default_rng(seed)
     numbers = ["".join(map(str, rng.integers(0, 10, k))) for k in draw_lengths(rng, train + held_out)]
-    (out / "data").mkdir(parents=True, exist_ok=True)
-    for name, split in (("train", numbers[:train]), ("eval", numbers[train:])):
-        (out / "data" / f"{name}.jsonl").write_text("".join(json.dumps(row(n)) + "\n" for n in split))
-    save_checkpoint(out / "checkpoint", char_tokenizer("0123456789-="), seed=seed)
-    print(f"wrote {train} training and {held_out} held-out prompts to {out / 'data'}, "
-          f"a {out / 'checkpoint'} Hugging Face checkpoint")
+    write_example(out, {"train": [row(n) for n in numbers[:train]], "eval": [row(n) for n in numbers[train:]]},
+                  char_tokenizer("0123456789-="), seed)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=HERE, help="where data/ and checkpoint/ go (default: here)")
-    prepare(parser.parse_args().out)
+    main(prepare, __doc__, HERE)

@@ -7,13 +7,11 @@ module gets the decoded answer and the row, whose `answer` column holds the capi
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import random
 from pathlib import Path
 
-from examples.checkpoint import char_tokenizer, save_checkpoint
+from examples.checkpoint import char_tokenizer, main, write_example
 from streamrl.models.hf import quiet_transformers
 
 LETTERS = "abcdef"
@@ -29,15 +27,9 @@ def prepare(out: Path, seed: int = 0) -> None:
     words = ["".join(w) for w in itertools.product(LETTERS, repeat=3)]
     random.Random(seed).shuffle(words)
     held_out, train = words[:24], words[24:]  # the held-out words are never trained on
-    (out / "data").mkdir(parents=True, exist_ok=True)
-    for name, split in (("train", train), ("eval", held_out)):
-        (out / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(split)))
-    save_checkpoint(out / "checkpoint", char_tokenizer(LETTERS + LETTERS.upper(), chat_template=True), seed=seed)
-    print(f"wrote {len(train)} training and {len(held_out)} held-out prompts to {out / 'data'}, "
-          f"a {out / 'checkpoint'} Hugging Face checkpoint")
+    write_example(out, {"train": rows(train), "eval": rows(held_out)},
+                  char_tokenizer(LETTERS + LETTERS.upper(), chat_template=True), seed)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=HERE, help="where data/ and checkpoint/ go (default: here)")
-    prepare(parser.parse_args().out)
+    main(prepare, __doc__, HERE)
