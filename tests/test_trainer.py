@@ -345,3 +345,16 @@ def test_a_resumed_trainer_keeps_the_initial_weights_as_its_reference(tiny_model
                            reference_dir=tiny_model_dir)
     for ours, initial in zip(resumed.reference.parameters(), trainer(tiny_model_dir).model.parameters()):
         torch.testing.assert_close(ours, initial, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_bfloat16_step_keeps_float32_master_weights_and_reports_its_mismatch(tiny_model_dir):
+    """Where bf16 is meant to run (a GPU): the same properties as on the CPU, with the device's kernels."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    data = with_exact_behaviour(tiny_model_dir, batch())
+    bf16 = TorchTrainer(tiny_model_dir, trainer=TrainerSection(), loss=LossConfig(kl_coef=0.1), group_size=4,
+                        dtype="bfloat16", attention="sdpa")
+    metrics = bf16.train(data)
+    assert bf16.device.type == "cuda" and {p.dtype for p in bf16.model.parameters()} == {torch.float32}
+    assert 0 < metrics["mismatch_abs_max"] < 0.5 and np.isfinite(metrics["loss"]) and "kl_ref" in metrics
