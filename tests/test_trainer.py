@@ -138,8 +138,8 @@ def test_the_proximal_forward_pass_runs_only_for_losses_that_read_it(tiny_model_
     anchors on the behaviour policy) does not pay for the extra no-grad pass over the whole batch."""
     t = minibatch_trainer(tiny_model_dir, minibatches=2, loss=loss)
     passes = []
-    proximal = t._proximal_logprobs
-    t._proximal_logprobs = lambda *args: passes.append(1) or proximal(*args)
+    proximal = t._forward_logprobs
+    t._forward_logprobs = lambda *args: passes.append(1) or proximal(*args)
     assert t.train(batch(groups=4, seed=5))["optimizer_steps"] == 2
     assert len(passes) == int(needs_proximal)
 
