@@ -6,8 +6,10 @@
 #
 # The GPU image is expected to hold python3 with a CUDA torch, transformers, tokenizers, safetensors,
 # numpy and pyarrow; the wheels add what streamrl needs beyond them (megatron-core, pydantic, tomli-w).
-# Runs, within ~8 minutes: the megatron tests marked `gpu`, then the smoke run (torch engine +
-# megatron trainer on CUDA) and the same with the torch trainer, each writing JSON to $OUT (or /tmp);
+# Runs, within ~8 minutes: the tests marked `gpu` (among them the CUDA memory the megatron trainer
+# leaves after offload, printed, and a TP = 2 and a PP = 2 step on NCCL where two GPUs are visible),
+# then the smoke run (torch engine + megatron trainer on CUDA) and the same with the torch trainer,
+# each writing JSON to $OUT (or /tmp);
 # then, where sglang is installed (`pip install "streamrl[gpu]"`: sglang>=0.5.21,<0.6 with the torch it
 # pins), a real sglang server with a tiny model through each weight path (disk, tensor handles, broadcast):
 # benchmarks/sglang_smoke.py, log-probs compared with the Hugging Face model's under the loaded version.
@@ -28,7 +30,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, transformers, megatron.core; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log"
+timeout 200 python3 -m pytest -q -rP -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log"
 timeout 150 python3 benchmarks/gpu_smoke.py --trainer megatron --steps 30 --out "$out/gpu_smoke_megatron.json"
 timeout 120 python3 benchmarks/gpu_smoke.py --trainer torch --steps 30 --out "$out/gpu_smoke_torch.json"
 if python3 -c "import sglang" 2>/dev/null; then

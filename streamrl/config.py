@@ -305,13 +305,21 @@ class RunConfig(_Section):
         return SimWorkload(**self.sim.model_dump(), producers=self.producers.count,
                            group_size=self.queue.group_size, groups_per_step=self.queue.groups_per_step)
 
-    def _precision_fits(self) -> None:
+    def _backends_fit(self) -> None:
+        """What the chosen backends need of the model settings and of the installed packages."""
         model = self.model
         if model.dtype != "float32" and self.trainer.backend == "megatron":
             # megatron's tensor-parallel layers run their own backward, which autocast does not reach:
             # bf16 there needs megatron's mixed-precision optimizer, which streamrl does not build yet
             raise ValueError(f"model.dtype = {model.dtype!r} with trainer.backend = 'megatron': the megatron "
                              "trainer trains in float32 only; use the torch trainer, or model.dtype = 'float32'")
+        if self.trainer.backend == "megatron":
+            from streamrl.megatron.versions import check_megatron_core
+
+            try:
+                check_megatron_core()
+            except RuntimeError as exc:
+                raise ValueError(str(exc)) from None
         if model.attention == "flash_attention_2":
             if importlib.util.find_spec("flash_attn") is None:
                 raise ValueError("model.attention = 'flash_attention_2' needs the flash-attn package, which is "
@@ -362,7 +370,7 @@ class RunConfig(_Section):
             raise ValueError(f"trainer.lr_schedule = {self.trainer.lr_schedule!r} decays after the warm-up, but "
                              f"trainer.warmup_steps={self.trainer.warmup_steps} reaches the decay's end ({decay} "
                              "optimizer steps: trainer.lr_decay_steps, else run.steps × trainer.minibatches)")
-        self._precision_fits()
+        self._backends_fit()
         if self.loss.kl_coef > 0 and self.trainer.backend == "sim":
             raise ValueError("loss.kl_coef > 0 with trainer.backend = 'sim': the simulator has no policy to keep a "
                              "reference copy of")

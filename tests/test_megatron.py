@@ -1,6 +1,7 @@
 """The megatron-core backend on CPU (gloo): HF ⇄ Megatron conversion, logits and gradients against the
 Hugging Face model at TP = 1 and 2, and one trainer step against the torch trainer."""
 
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -238,6 +239,116 @@ def check_step_against_torch(model_dir, tmp_path, atol, kl_coef=0.0):
     print(f"largest parameter difference against the torch trainer after the step: {worst:.2e}")
 
 
+def final_norm_worker(rank, world, port, model_dir, out, installed):
+    """Builds the model as if Transformer Engine or apex were importable: megatron-core's choice of the
+    final norm is the module-level `LayerNormImpl`, made at import from what is installed."""
+    import json
+
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    from megatron.core.transformer import transformer_block
+
+    from streamrl.megatron import parallel
+    from streamrl.megatron.model import build_model
+
+    class TransformerEngineNorm(torch.nn.Module):  # stands for TENorm, chosen when transformer_engine imports
+        def __init__(self, *args, **kwargs):
+            super().__init__()
+
+    transformer_block.LayerNormImpl = {"transformer_engine": TransformerEngineNorm, "apex": FusedLayerNorm}[installed]
+    parallel.initialize(rank=rank, world_size=world, master_port=port)
+    hf, _ = load_policy(model_dir)
+    try:
+        model, _, _ = build_model(hf.config)
+        norms = {name: type(module).__name__ for name, module in model.named_modules() if name.endswith("norm")}
+    except Exception as exc:  # noqa: BLE001 — the test reports what building did
+        norms = {"error": f"{type(exc).__name__}: {exc}"}
+    (Path(out) / "norms.json").write_text(json.dumps(norms))
+    parallel.shutdown()
+
+
+@pytest.mark.parametrize("installed", ["transformer_engine", "apex"])
+def test_the_final_norm_is_the_local_rmsnorm_whatever_is_installed(qwen2_dir, tmp_path, installed):
+    import json
+
+    run_ranks(final_norm_worker, 1, str(qwen2_dir), str(tmp_path), installed)
+    norms = json.loads((tmp_path / "norms.json").read_text())
+    assert norms.get("decoder.final_layernorm") == "RMSNorm", norms  # torch's, as WrappedTorchNorm builds it
+    assert set(norms.values()) <= {"RMSNorm", "IdentityOp"}, norms  # IdentityOp: the norms Qwen2 does not have
+
+
+def offload_worker(rank, world, port, model_dir, out):
+    import json
+
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from streamrl.megatron.model import held_tensors
+    from streamrl.trainer.megatron_trainer import MegatronTrainer
+
+    torch.set_num_threads(1)
+    trainer = MegatronTrainer(model_dir, trainer=TrainerSection(**STEP), loss=LossConfig(name="decoupled_ppo",
+                              kl_coef=0.1), group_size=4, rank=rank, world_size=world, master_port=port)
+    trainer.train(step_batch())
+
+    def facts():
+        models = (trainer.model, trainer.reference)
+        held = held_tensors(*models)
+        plain = [where for where, _ in held if where.endswith("inv_freq")]
+        return {"off_cpu": [where for where, t in held if t.device.type != "cpu"],
+                "scratch_bytes": sum(t.nbytes for where, t in held if where.startswith("global memory buffer")),
+                "rotary_cached": RotaryEmbedding.forward.cache_info().currsize, "plain_attributes": plain}
+
+    before = facts()
+    allocated = [torch.cuda.memory_allocated() if torch.cuda.is_available() else 0]
+    trainer.offload()
+    after = facts()
+    allocated.append(torch.cuda.memory_allocated() if torch.cuda.is_available() else 0)
+    trainer.onload()
+    metrics = trainer.train(step_batch())  # everything released comes back by itself
+    (Path(out) / "offload.json").write_text(json.dumps({"before": before, "after": after, "cuda_allocated": allocated,
+                                                        "loss_after_onload": metrics["loss"]}))
+    trainer.close()
+
+
+def offloaded(model_dir, tmp_path) -> dict:
+    import json
+
+    run_ranks(offload_worker, 1, str(model_dir), str(tmp_path))
+    return json.loads((tmp_path / "offload.json").read_text())
+
+
+def test_offload_leaves_no_scratch_or_cached_tensor_behind_and_the_next_step_runs(qwen2_dir, tmp_path):
+    """`Module.to` moves parameters and buffers only: megatron-core's scratch buffer, its rotary cache
+    and tensors kept as plain attributes stay where they are (on a GPU: memory the servers need)."""
+    result = offloaded(qwen2_dir, tmp_path)
+    before, after = result["before"], result["after"]
+    assert before["scratch_bytes"] > 0 and before["rotary_cached"] > 0  # the step filled them
+    assert before["plain_attributes"]  # the rotary inverse frequencies of the policy and the reference
+    assert after["scratch_bytes"] == 0 and after["rotary_cached"] == 0
+    assert after["off_cpu"] == [] and after["plain_attributes"] == before["plain_attributes"]
+    assert np.isfinite(result["loss_after_onload"])
+
+
+@pytest.mark.gpu
+def test_on_cuda_offload_gives_the_device_memory_back(qwen2_dir, tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    result = offloaded(qwen2_dir, tmp_path)
+    assert result["after"]["off_cpu"] == [], result
+    before, after = result["cuda_allocated"]
+    print(f"CUDA memory allocated by the trainer: {before / 2**20:.2f} MiB before offload, "
+          f"{after / 2**20:.2f} MiB after")
+    assert after <= 0.05 * before, result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_on_two_gpus_a_model_parallel_step_matches_the_torch_trainer(model_dir, tmp_path, tp, pp):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    run_ranks(trainer_worker, tp * pp, str(model_dir), str(tmp_path), pp)  # NCCL, one GPU per rank
+    check_step_against_torch(model_dir, tmp_path, atol=1e-3)
+
+
 # ---- data parallel: each DP rank trains on its share of the groups, gradients summed -----------------------
 
 # lr 1e-3, not STEP's 1e-2: AdamW's first update is ≈ lr · g/|g|, which turns float rounding in a small
@@ -354,30 +465,70 @@ def test_the_config_refuses_data_parallel_shares_that_are_not_whole_groups():
         load_config(None, ["trainer.data_parallel=2"])
 
 
-def absent_rank_worker(rank, world, port, out):
+def absent_rank_worker(rank, world, port, out, parallelism, group):
+    import json
     import time
 
     import torch.distributed as dist
+    from megatron.core import parallel_state
 
     from streamrl.megatron import parallel
 
-    parallel.initialize(rank=rank, world_size=world, tensor_parallel=world, master_port=port, timeout_s=2)
+    parallel.initialize(rank=rank, world_size=world, master_port=port, timeout_s=2, **{parallelism: world})
     if rank == 1:
-        time.sleep(8)  # alive, but never joins the collective (a rank stuck or dead mid-step)
+        time.sleep(10)  # alive, but never joins the collective (a rank stuck or dead mid-step)
         return
+    process_group = None if group == "world" else getattr(parallel_state, f"get_{group}_group")()
     started = time.monotonic()
     try:
-        dist.all_reduce(torch.ones(1))
+        dist.all_reduce(torch.ones(1), group=process_group)
         outcome = "returned"
     except RuntimeError:
         outcome = "raised"
     with open(f"{out}/rank0.json", "w") as f:
-        f.write(f'{{"outcome": "{outcome}", "waited_s": {time.monotonic() - started}}}')
+        json.dump({"outcome": outcome, "waited_s": time.monotonic() - started}, f)
 
 
-def test_a_collective_without_its_other_rank_fails_after_the_timeout_instead_of_hanging(tmp_path):
+@pytest.mark.parametrize(("parallelism", "group"), [
+    ("tensor_parallel", "world"),
+    # megatron-core's own groups: created with its 30-minute default unless the timeout is passed on
+    ("tensor_parallel", "tensor_model_parallel"),
+    ("data_parallel", "data_parallel"),
+    ("pipeline_parallel", "pipeline_model_parallel"),
+])
+def test_a_collective_without_its_other_rank_fails_after_the_timeout_instead_of_hanging(tmp_path, parallelism,
+                                                                                        group):
     import json
 
-    run_ranks(absent_rank_worker, 2, str(tmp_path))
+    run_ranks(absent_rank_worker, 2, str(tmp_path), parallelism, group)
     result = json.loads((tmp_path / "rank0.json").read_text())
-    assert result["outcome"] == "raised" and result["waited_s"] < 7
+    assert result["outcome"] == "raised" and result["waited_s"] < 8
+
+
+@pytest.mark.parametrize("installed", ["0.15.3", "0.17.1", "0.19.2", None])
+def test_an_untested_megatron_core_is_refused_before_anything_starts(monkeypatch, installed):
+    from packaging.version import Version
+
+    from streamrl.config import ConfigError, load_config
+    from streamrl.megatron import versions
+
+    monkeypatch.setattr(versions, "installed_version", lambda: None if installed is None else Version(installed))
+    expected = "not installed" if installed is None else rf"megatron-core {installed} is installed, but .* tested on"
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, ["trainer.backend=megatron"])
+    with pytest.raises(RuntimeError, match=expected):  # and so does joining the trainer's process group
+        from streamrl.megatron import parallel
+
+        parallel.initialize()
+    assert load_config(None, ["trainer.backend=torch"]).trainer.backend == "torch"  # only the backend that uses it
+
+
+def test_the_tested_range_is_the_one_pyproject_pins_and_holds_what_is_installed():
+    import tomllib
+
+    from streamrl.megatron import versions
+
+    lowest, untested = versions.TESTED
+    pins = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"megatron-core>={lowest},<{untested}" in pins
+    assert versions.check_megatron_core() == versions.installed_version()

@@ -12,8 +12,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from streamrl.megatron.convert import Layout, Stage
@@ -46,6 +49,14 @@ def transformer_config(config: Any, layout: Layout) -> TransformerConfig:
         pipeline_dtype=torch.float32, use_cpu_initialization=True, params_dtype=torch.float32, bf16=False, fp16=False)
 
 
+def block_spec(stage: Stage) -> TransformerBlockSubmodules:
+    """This stage's layers and final norm, all local modules. Given a layer spec alone, megatron-core
+    picks the final norm by what happens to be installed (Transformer Engine's norm when it imports,
+    apex's, which refuses RMSNorm, when only apex does): naming it keeps the model the same everywhere."""
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    return TransformerBlockSubmodules(layer_specs=[layer] * stage.layers, layer_norm=WrappedTorchNorm)
+
+
 def build_model(config: Any) -> tuple[GPTModel, Layout, Stage]:
     """An untrained GPTModel for this rank's pipeline stage (load weights with `load_state_dict` from
     `convert`). Over several stages a tied embedding is built untied, its last-stage copy marked
@@ -57,8 +68,7 @@ def build_model(config: Any) -> tuple[GPTModel, Layout, Stage]:
     layout.check_tp(tp)
     stage = Stage.of(layout, parallel_state.get_pipeline_model_parallel_rank(),
                      parallel_state.get_pipeline_model_parallel_world_size())
-    model = GPTModel(config=transformer_config(config, layout),
-                     transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+    model = GPTModel(config=transformer_config(config, layout), transformer_layer_spec=block_spec(stage),
                      vocab_size=layout.padded_vocab(tp), max_sequence_length=config.max_position_embeddings,
                      pre_process=stage.pre, post_process=stage.post, position_embedding_type="rope",
                      rotary_base=rope_theta(config),
@@ -98,3 +108,37 @@ def logits_logprobs(logits: torch.Tensor, layout: Layout, input_ids: torch.Tenso
         logits = logits.masked_fill(padded, float("-inf"))
     targets = input_ids[:, 1:].transpose(0, 1).contiguous()
     return -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), targets).transpose(0, 1)
+
+
+def release_scratch(*models: torch.nn.Module, device: str | torch.device = "cpu") -> None:
+    """Free what `Module.to` leaves on the device after a model's parameters and buffers have moved
+    (colocated, the GPU goes to the sglang servers): tensors megatron-core keeps as plain attributes
+    (the rotary embedding moves its inverse frequencies onto the GPU at the first forward), the rotary
+    tables its `forward` caches (an `lru_cache` on the class, whatever instance), and the global scratch
+    buffer attention scores are computed in (its size grows with batch × heads × length²). Each comes
+    back by itself at the next forward."""
+    for model in models:
+        for module in model.modules():
+            for name, value in list(vars(module).items()):
+                if isinstance(value, torch.Tensor):
+                    setattr(module, name, value.to(device))
+    RotaryEmbedding.forward.cache_clear()
+    if parallel_state._GLOBAL_MEMORY_BUFFER is not None:  # created by initialize_model_parallel
+        parallel_state.get_global_memory_buffer().buffer.clear()
+
+
+def held_tensors(*models: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor the models and megatron-core hold for them, by where it is held: parameters,
+    buffers, plain tensor attributes of their modules, the global scratch buffer. (The rotary cache's
+    entries cannot be listed: `RotaryEmbedding.forward.cache_info()` counts them.)"""
+    found = []
+    for i, model in enumerate(models):
+        for module_name, module in model.named_modules():
+            for name, value in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False),
+                                *vars(module).items()]:
+                if isinstance(value, torch.Tensor):
+                    found.append((f"model {i} {module_name}.{name}", value))
+    if parallel_state._GLOBAL_MEMORY_BUFFER is not None:
+        found += [(f"global memory buffer {key}", tensor)
+                  for key, tensor in parallel_state.get_global_memory_buffer().buffer.items()]
+    return found

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from streamrl.megatron.versions import check_megatron_core
 from streamrl.runtime.net import free_port
 
 
@@ -18,13 +19,15 @@ def initialize(*, rank: int = 0, world_size: int = 1, tensor_parallel: int = 1, 
                seed: int = 0, timeout_s: float = 600.0) -> None:
     """Join (or, with world size 1, form) the trainer's process group and split it into model-parallel
     groups. Without CUDA, megatron-core's two CUDA calls are replaced (see `streamrl.megatron.cpu`).
-    `timeout_s` bounds joining and every collective: a rank that died fails the others instead of
-    leaving them waiting.
+    `timeout_s` bounds joining and every collective, on the world group and on each of megatron-core's
+    tensor / data / pipeline parallel groups: a rank that died fails the others instead of leaving them
+    waiting.
 
     megatron-core derives the data-parallel size as world / (TP × PP) and numbers ranks TP-fastest (its
     default order `tp-cp-ep-dp-pp`): global rank = (PP rank × DP + DP rank) × TP + TP rank, so a TP
     group is a run of adjacent ranks, the first pipeline stage is ranks 0..TP × DP − 1 and global rank
     0 is TP, DP and PP rank 0."""
+    check_megatron_core()
     if world_size != tensor_parallel * data_parallel * pipeline_parallel:
         raise ValueError(f"{world_size} trainer ranks are not tensor parallel {tensor_parallel} × data parallel "
                          f"{data_parallel} × pipeline parallel {pipeline_parallel}")
@@ -39,8 +42,11 @@ def initialize(*, rank: int = 0, world_size: int = 1, tensor_parallel: int = 1, 
             os.environ["MASTER_ADDR"] = master_addr
             os.environ["MASTER_PORT"] = str(master_port if master_port is not None else free_port())
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    # megatron-core gives the groups it creates its own timeout (30 minutes by default), not the world
+    # group's: a rank stuck in a tensor/data/pipeline collective would hold the others that long
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,  # DP = world / (TP × PP)
-                                             pipeline_model_parallel_size=pipeline_parallel)
+                                             pipeline_model_parallel_size=pipeline_parallel,
+                                             distributed_timeout_minutes=timeout_s / 60)
     tensor_rank = parallel_state.get_tensor_model_parallel_rank()
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

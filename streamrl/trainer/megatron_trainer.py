@@ -33,7 +33,7 @@ from streamrl.config import TrainerSection
 from streamrl.correction import LossConfig
 from streamrl.megatron import parallel
 from streamrl.megatron.convert import Stage, hf_names, hf_to_megatron, megatron_to_hf
-from streamrl.megatron.model import attention_inputs, build_model, logits_logprobs, token_logprobs
+from streamrl.megatron.model import attention_inputs, build_model, logits_logprobs, release_scratch, token_logprobs
 from streamrl.megatron.pipeline import PipelineGroup, Schedule, sum_tied_embedding_grads
 from streamrl.models.hf import default_device, load_policy
 from streamrl.trainer.torch_trainer import TorchTrainer
@@ -278,6 +278,12 @@ class MegatronTrainer(TorchTrainer):
             self.tokenizer.save_pretrained(directory / "model")
             (directory / "trainer.json").write_text(json.dumps(self.progress()))
         torch.save(self.optimizer.state_dict(), directory / self.optimizer_file)
+
+    def offload(self) -> None:
+        super().offload()  # parameters, buffers, optimizer state and the reference copy
+        release_scratch(*(model for model in (self.model, self.reference) if model is not None))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def close(self) -> None:
         parallel.shutdown()
