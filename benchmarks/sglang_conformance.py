@@ -8,7 +8,7 @@
 sglang needs CUDA to import, so its wheel (a zip) is read with `zipfile` and its Python source parsed
 with `ast`. The wheel of `--version` is taken from `$STREAMRL_SGLANG_WHEELS` (default
 `~/.cache/streamrl/sglang`), downloaded there with `pip download --no-deps` when missing. Every entry
-of `streamrl/engine/sglang/protocol.py` is checked (source files relative to `sglang/srt/`):
+of `streamrl/sglang/protocol.py` is checked (source files relative to `sglang/srt/`):
 
 - routes: `entrypoints/http_server.py`'s `@app.<verb>(path)` / `@app.api_route(path, methods=[...])`
   handlers answer each route with its method and read the body into the declared request class, and
@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from streamrl.engine.sglang import protocol  # noqa: E402
+from streamrl.sglang import protocol  # noqa: E402
 
 HTTP_SERVER = "entrypoints/http_server.py"
 IO_STRUCT = "managers/io_struct.py"

@@ -29,13 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from streamrl.config import ModelSection  # noqa: E402
-from streamrl.engine.sglang.client import SglangClient  # noqa: E402
 from streamrl.engine.sglang.engine import EventLoopThread, SglangEngine  # noqa: E402
-from streamrl.engine.sglang.protocol import check_server_version  # noqa: E402
 from streamrl.engine.sglang.server import ServerProcess, ServerSpec  # noqa: E402
 from streamrl.models.hf import load_policy, quiet_transformers  # noqa: E402
 from streamrl.models.tiny import build_tiny_model  # noqa: E402
-from streamrl.runtime.net import free_port  # noqa: E402
+from streamrl.net import free_port  # noqa: E402
+from streamrl.sglang.client import SglangClient  # noqa: E402
+from streamrl.sglang.protocol import check_server_version  # noqa: E402
 from streamrl.weights.arrays import load_state_arrays, state_arrays  # noqa: E402
 from streamrl.weights.broadcast import GroupSender, UpdateGroups, distributed_loader  # noqa: E402
 from streamrl.weights.disk import DiskWeights  # noqa: E402

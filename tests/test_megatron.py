@@ -16,7 +16,7 @@ from streamrl.correction import LossConfig, token_logprobs
 from streamrl.megatron.convert import Layout, Stage, hf_names, hf_to_megatron, megatron_to_hf
 from streamrl.models.hf import load_policy
 from streamrl.models.tiny import build_tokenizer
-from streamrl.runtime.net import free_port
+from streamrl.net import free_port
 from streamrl.tasks.reverse import CharVocab
 from streamrl.trainer.torch_trainer import TorchTrainer
 from streamrl.weights.arrays import state_arrays

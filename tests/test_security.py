@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.runtime.net import free_port, is_loopback
+from streamrl.net import free_port, is_loopback
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE = Path(__file__).with_name("fake_sglang.py")
@@ -227,9 +227,9 @@ def test_a_server_started_by_streamrl_gets_a_random_key_kept_out_of_messages():
 
 
 def test_the_fake_server_refuses_requests_without_the_key_as_sglang_does():
-    from streamrl.engine.sglang.client import SglangClient, SglangError
     from streamrl.engine.sglang.engine import EventLoopThread, SglangEngine
     from streamrl.engine.sglang.server import ServerProcess, ServerSpec
+    from streamrl.sglang.client import SglangClient, SglangError
 
     port = free_port()
     spec = ServerSpec(model_path="unused", port=port, launcher=[sys.executable, str(FAKE)])

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from streamrl.buffer.schema import LENGTH, STOP
-from streamrl.engine.sglang.client import SglangClient, SglangError
 from streamrl.engine.sglang.engine import EngineLost, EventLoopThread, SglangEngine
 from streamrl.engine.sglang.server import ServerProcess, ServerSpec, group_members
-from streamrl.runtime.net import free_port
+from streamrl.net import free_port
+from streamrl.sglang.client import SglangClient, SglangError
 from streamrl.weights.disk import disk_loader
 from streamrl.weights.tensor_handles import tensor_loader
 
@@ -229,8 +229,8 @@ def test_the_producer_over_two_servers_feeds_the_queue_within_budget_with_exact_
     from streamrl.buffer import QueueConfig, ReplayQueue, validate_batch
     from streamrl.engine.sglang.pool import SglangPool, SglangWeights
     from streamrl.rollout import RolloutProducer
-    from streamrl.sim.task import SimTask
     from streamrl.sim.workload import SimWorkload
+    from streamrl.tasks.sim import SimTask
     from streamrl.weights.disk import DiskWeights
     from streamrl.weights.registry import WeightRegistry
 
@@ -587,7 +587,7 @@ def test_the_stand_in_pause_blocks_until_nothing_runs_and_a_request_at_its_gate_
 
 
 def test_the_stand_in_ends_itself_when_released_while_a_request_runs(io, server):
-    from streamrl.engine.sglang.client import EngineUnreachable
+    from streamrl.sglang.client import EngineUnreachable
 
     engine, lost = SglangEngine(SglangClient(server.url), io), []
 
@@ -691,7 +691,7 @@ def test_a_paused_server_is_alive_and_not_restarted(io, server):
 
 
 def test_a_server_outside_the_supported_versions_is_refused_at_start():
-    from streamrl.engine.sglang.protocol import check_server_version
+    from streamrl.sglang.protocol import check_server_version
 
     old = start_fake("--sglang-version", "0.5.20")
     try:
@@ -705,7 +705,7 @@ def test_a_server_outside_the_supported_versions_is_refused_at_start():
 
 
 def test_a_generation_with_a_null_log_prob_is_refused_by_name():
-    from streamrl.engine.sglang.client import _segment
+    from streamrl.sglang.client import _segment
 
     answer = {"meta_info": {"id": "r1", "finish_reason": {"type": "length"}, "weight_version": "2",
                             "output_token_logprobs": [[-0.5, 4, None], [None, 7, None]]}}

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.engine.sglang import protocol
-from streamrl.engine.sglang.protocol import Route
+from streamrl.sglang import protocol
+from streamrl.sglang.protocol import Route
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "sglang_conformance.py"
@@ -255,7 +255,7 @@ def test_a_renamed_route_or_field_is_caught(tmp_path):
 def test_the_gpu_extra_pins_the_versions_the_protocol_was_read_against():
     import tomllib
 
-    from streamrl.engine.sglang import protocol
+    from streamrl.sglang import protocol
 
     extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert protocol.REQUIREMENT in extras["gpu"]

@@ -11,11 +11,11 @@ from streamrl.buffer import QueueConfig, ReplayQueue, validate_batch
 from streamrl.buffer.queue import assemble
 from streamrl.buffer.schema import LENGTH, STOP
 from streamrl.engine.local_weights import LocalWeights
+from streamrl.engine.sim import SimEngine, weights_module
 from streamrl.rollout import RolloutProducer
-from streamrl.sim.engine import SimEngine, weights_module
-from streamrl.sim.learner import SimLearner
-from streamrl.sim.task import SimTask
 from streamrl.sim.workload import SimWorkload
+from streamrl.tasks.sim import SimTask
+from streamrl.trainer.sim import SimLearner
 from streamrl.weights.receiver import WeightReceiver
 from streamrl.weights.registry import WeightRegistry
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from streamrl.megatron.versions import check_megatron_core
-from streamrl.runtime.net import free_port
+from streamrl.net import free_port
 
 
 def initialize(*, rank: int = 0, world_size: int = 1, tensor_parallel: int = 1, data_parallel: int = 1,

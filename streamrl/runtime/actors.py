@@ -149,7 +149,7 @@ class ProducerActor:
 
 
 class Learner(Protocol):
-    """What the trainer shell steps: the torch trainer, or the simulated one in `streamrl.sim`."""
+    """What the trainer shell steps: the torch trainer, or the simulated one (`streamrl.trainer.sim`)."""
 
     version: int
 
@@ -353,10 +353,10 @@ def _make_learner(run_name: str, cfg: RunConfig, config: dict[str, Any], model_d
 
         return TorchTrainer(model_dir, dtype=cfg.model.dtype, attention=cfg.model.attention, **common)
     if cfg.trainer.backend == "sim":
-        from streamrl.sim.learner import SimLearner
+        from streamrl.trainer.sim import SimLearner
 
         return SimLearner(cfg.sim_workload())
-    from streamrl.runtime.net import free_port
+    from streamrl.net import free_port
     from streamrl.trainer.megatron_trainer import MegatronTrainer
     from streamrl.trainer.ranks import MegatronRank, RankGroup
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import ray
 
-from streamrl.runtime.net import LOOPBACK, is_loopback
+from streamrl.net import LOOPBACK, is_loopback
 
 AUTH_MODE_VAR, TOKEN_VAR, TOKEN_PATH_VAR = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
 DEFAULT_TOKEN_FILE = Path("~/.ray/auth_token")

@@ -80,7 +80,7 @@ def make_engine(cfg: RunConfig, *, run_name: str, producer_id: int, model_dir: s
         return _sim_engine(cfg, producer_id, seed, weights)
     if kind == "sglang":
         from streamrl.buffer.actor import NAMESPACE
-        from streamrl.engine.sglang.build import sglang_engine
+        from streamrl.runtime.sglang_build import sglang_engine
 
         sender = RemoteSender(ray.get_actor(f"{run_name}/trainer", namespace=NAMESPACE)) \
             if cfg.producers.sglang.weights == "distributed" else None
@@ -120,8 +120,8 @@ def _torch_engine(cfg: RunConfig, producer_id: int, model_dir: str, seed: int, w
 def _sim_engine(cfg: RunConfig, producer_id: int, seed: int, weights: ray.actor.ActorHandle) -> tuple[Engine, Task]:
     import torch
 
-    from streamrl.sim.engine import SimEngine, weights_module
-    from streamrl.sim.task import SimTask
+    from streamrl.engine.sim import SimEngine, weights_module
+    from streamrl.tasks.sim import SimTask
 
     torch.set_num_threads(1)
     work = cfg.sim_workload()

@@ -65,7 +65,7 @@ def make_task(section: TaskSection, tokenizer: PreTrainedTokenizerBase | None = 
             raise ValueError("a file task needs the model's tokenizer")
         return FileTask(section, tokenizer, search_path=search_path, max_prompt_tokens=max_prompt_tokens)
     if section.kind == "sim":
-        from streamrl.sim.task import SimTask
+        from streamrl.tasks.sim import SimTask
 
         if sim is None:
             raise ValueError("the sim task needs the simulated workload")

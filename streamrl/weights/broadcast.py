@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from streamrl.engine.sglang.client import EngineUnreachable, SglangClient, SglangError
-from streamrl.runtime.net import is_loopback
+from streamrl.net import is_loopback
+from streamrl.sglang.client import EngineUnreachable, SglangClient, SglangError
 from streamrl.weights.arrays import read_only_tensors, resolve
 
 # Group names are unique across processes (torch refuses a name twice in one, and a replacement

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's reductions (CUDA IPC handles) with ForkingPickler
 
-from streamrl.engine.sglang.client import SglangClient
+from streamrl.sglang.client import SglangClient
 from streamrl.weights.arrays import read_only_tensors
 from streamrl.weights.broadcast import plan_buckets
 

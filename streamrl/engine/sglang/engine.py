@@ -36,8 +36,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from streamrl.buffer.schema import LENGTH, STOP
-from streamrl.engine.sglang.client import EngineUnreachable, SglangClient, SglangError
 from streamrl.engine.sglang.server import ServerProcess
+from streamrl.sglang.client import EngineUnreachable, SglangClient, SglangError
 
 log = logging.getLogger(__name__)
 

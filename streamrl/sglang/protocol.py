@@ -85,7 +85,7 @@ def route(path: str) -> Route:
     for candidate in ROUTES:
         if candidate.path == path:
             return candidate
-    raise KeyError(f"{path} is not a route streamrl uses (streamrl/engine/sglang/protocol.py)")
+    raise KeyError(f"{path} is not a route streamrl uses (streamrl/sglang/protocol.py)")
 
 
 def parse_version(text: str) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from streamrl.sim.engine import weights_module
+from streamrl.engine.sim import weights_module
 from streamrl.sim.workload import SimWorkload
 from streamrl.weights.arrays import state_arrays
 

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from streamrl.config import RunConfig, SglangSection
-from streamrl.engine.sglang.client import SglangClient
 from streamrl.engine.sglang.engine import EventLoopThread, SglangEngine
 from streamrl.engine.sglang.pool import LoaderFor, SglangPool, SglangWeights
-from streamrl.engine.sglang.protocol import check_server_version
 from streamrl.engine.sglang.server import ServerProcess, ServerSpec
+from streamrl.sglang.client import SglangClient
+from streamrl.sglang.protocol import check_server_version
 from streamrl.tasks import Task
 from streamrl.weights.arrays import resolve
 from streamrl.weights.broadcast import Sender, UpdateGroups, distributed_loader
