@@ -1,6 +1,6 @@
 """Replay-queue throughput: in-process commit+get, admission, and the Ray path, side by side.
 
-    python benchmarks/buffer.py --out benchmarks/results/buffer.json
+    python -m benchmarks.buffer --out benchmarks/results/buffer.json
 
 Every figure is measured in the same run, so the ratios (put/get against memcpy, the queue's Ray path
 against a plain `ray.put` + `ray.get` of the same bytes between the same two processes) hold on a noisy
@@ -20,10 +20,10 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
-from streamrl.benchreport import BASELINES, Target, finish
+from harness.benchreport import BASELINES, Target, finish
+from harness.synthetic import synthetic_batch
 from streamrl.buffer import QueueConfig, ReplayQueue, assemble
 from streamrl.buffer.actor import create_queue_actor, fetch_table
-from streamrl.buffer.synthetic import synthetic_batch
 from streamrl.runtime.actors import RemoteQueue
 from streamrl.runtime.connect import start_local
 

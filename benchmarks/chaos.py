@@ -2,12 +2,12 @@
 
     streamrl bench chaos [--quick] --out benchmarks/results/chaos.json
 
-1. faults (`streamrl.chaos.faults`): one run launched and resumed through `streamrl launch` while
+1. faults (`harness.chaos.faults`): one run launched and resumed through `streamrl launch` while
    producers, the trainer, the queue and the launcher are SIGKILLed and Ctrl-C / SIGTERM land in every
    phase; then every prompt is accounted for (`groups_lost`, `groups_duplicated`).
-2. bad inputs (`streamrl.chaos.fuzz`): Arrow batches, config files, CLI arguments and dataset rows, each
+2. bad inputs (`harness.chaos.fuzz`): Arrow batches, config files, CLI arguments and dataset rows, each
    checked to be refused with an error that names the problem and to leave the state as it was.
-3. soak (`streamrl.chaos.soak`): many producers admitting and committing at full rate against the queue
+3. soak (`harness.chaos.soak`): many producers admitting and committing at full rate against the queue
    actor, its memory and the object store sampled over time.
 `--quick` fits in 10 minutes on two cores; the full campaign tries 10x the bad inputs and soaks longer.
 """
@@ -23,12 +23,12 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
-from streamrl.benchreport import BASELINES, Target, finish
-from streamrl.chaos.faults import run_campaign
-from streamrl.chaos.fuzz import run_bad_input_campaign
-from streamrl.chaos.soak import FULL as SOAK_FULL
-from streamrl.chaos.soak import QUICK as SOAK_QUICK
-from streamrl.chaos.soak import run_soak
+from harness.benchreport import BASELINES, Target, finish
+from harness.chaos.faults import run_campaign
+from harness.chaos.fuzz import run_bad_input_campaign
+from harness.chaos.soak import FULL as SOAK_FULL
+from harness.chaos.soak import QUICK as SOAK_QUICK
+from harness.chaos.soak import run_soak
 from streamrl.runtime.connect import start_local
 
 TARGETS = [Target("faults_injected", ">=", 10), Target("groups_lost", "<=", 0), Target("groups_duplicated", "<=", 0),

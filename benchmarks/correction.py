@@ -1,6 +1,6 @@
 """Peak memory and time of token log-probs: chunked vs a full log_softmax + gather, side by side.
 
-    python benchmarks/correction.py --out benchmarks/results/correction.json
+    python -m benchmarks.correction --out benchmarks/results/correction.json
 
 Batch 16, length 1024, vocabulary 32,768, float32 logits on the CPU (2.1 GB of logits). Each variant
 runs in a fresh subprocess; its peak is the growth of the process's peak RSS over what it held once the
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from streamrl.benchreport import BASELINES, Target, finish
+from harness.benchreport import BASELINES, Target, finish
 
 BATCH, LENGTH, VOCAB, CHUNK = 16, 1024, 32_768, 1024
 
@@ -52,8 +52,9 @@ def worker(variant: str, repeats: int) -> dict:
 
 
 def run_variant(variant: str, repeats: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--worker", variant, "--repeats", str(repeats)],
-                         check=True, capture_output=True, text=True)
+    # a fresh process per variant, so that each peak is its own
+    command = [sys.executable, "-m", "benchmarks.correction", "--worker", variant, "--repeats", str(repeats)]
+    out = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -1,7 +1,7 @@
 """GPU smoke run: the torch engine and a trainer (megatron by default) on CUDA, streaming in one process.
 
     bash benchmarks/gpu_smoke.sh            (on a machine with a GPU: installs the carried wheels, runs this)
-    python benchmarks/gpu_smoke.py --steps 30 --out smoke.json
+    python -m benchmarks.gpu_smoke --steps 30 --out smoke.json
 
 No Ray (a GPU machine may not have it): the in-process replay queue, weight registry and producer
 loop that the Ray actors wrap. One producer thread generates with the torch engine while the main

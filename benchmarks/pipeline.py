@@ -33,7 +33,7 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
-from streamrl.benchreport import BASELINES, Target, finish
+from harness.benchreport import BASELINES, Target, finish
 from streamrl.config import ConfigError, RunConfig, load_config
 from streamrl.runtime.connect import start_local
 from streamrl.runtime.launch import launch, prepare

@@ -1,9 +1,9 @@
 """Does the real sglang source have everything streamrl asks of it? Read from a wheel, never imported.
 
-    python benchmarks/sglang_conformance.py --out benchmarks/results/sglang_conformance.json
-    python benchmarks/sglang_conformance.py --version 0.5.21 --out /tmp/sglang-0.5.21.json
-    python benchmarks/sglang_conformance.py --wheel sglang-0.5.23-...whl --out F
-    python benchmarks/sglang_conformance.py --source DIR --out F   # DIR holds sglang/srt/...
+    python -m benchmarks.sglang_conformance --out benchmarks/results/sglang_conformance.json
+    python -m benchmarks.sglang_conformance --version 0.5.21 --out /tmp/sglang-0.5.21.json
+    python -m benchmarks.sglang_conformance --wheel sglang-0.5.23-...whl --out F
+    python -m benchmarks.sglang_conformance --source DIR --out F   # DIR holds sglang/srt/...
 
 sglang needs CUDA to import, so its wheel (a zip) is read with `zipfile` and its Python source parsed
 with `ast`. The wheel of `--version` is taken from `$STREAMRL_SGLANG_WHEELS` (default

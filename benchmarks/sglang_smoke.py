@@ -2,8 +2,8 @@
 load a new version (disk, tensor handles, broadcast), generate, and check that every token is stamped with
 that version and that its log-probs are the new weights' own.
 
-    python benchmarks/sglang_smoke.py --out sglang_smoke.json              (a GPU with the `gpu` extra)
-    python benchmarks/sglang_smoke.py --stand-in --out x.json               (CPU: tests/fake_sglang.py)
+    python -m benchmarks.sglang_smoke --out sglang_smoke.json              (a GPU with the `gpu` extra)
+    python -m benchmarks.sglang_smoke --stand-in --out x.json               (CPU: tests/fake_sglang.py)
 
 A tiny Qwen2 (built here, no download) is served; version 1 is its weights perturbed with a seeded noise.
 With a real server the log-probs sglang returns are compared with the Hugging Face model's under

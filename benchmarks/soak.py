@@ -7,7 +7,7 @@ Reports admit and commit latency percentiles (ms, per call, through Ray), commit
 queue actor's memory over time (growth after warm-up), the object store's use over time and after
 the drain (old weight versions and consumed batches released), and that every committed group was
 consumed exactly once or regenerated. Latencies and rates depend on the machine and what else runs on
-it; the bounds and the accounting must hold anywhere. See `streamrl.chaos.soak` for the bounds.
+it; the bounds and the accounting must hold anywhere. See `harness.chaos.soak` for the bounds.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
-from streamrl.benchreport import BASELINES, Target, finish
-from streamrl.chaos.soak import FULL, QUICK, run_soak
+from harness.benchreport import BASELINES, Target, finish
+from harness.chaos.soak import FULL, QUICK, run_soak
 from streamrl.runtime.connect import start_local
 
 TARGETS = [Target("accounting.lost", "<=", 0), Target("accounting.duplicated_consumed", "<=", 0),

@@ -27,7 +27,7 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
-from streamrl.benchreport import BASELINES, finish
+from harness.benchreport import BASELINES, finish
 from streamrl.runtime.connect import start_local
 from streamrl.runtime.launch import launch, prepare
 

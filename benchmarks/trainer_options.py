@@ -1,6 +1,6 @@
 """What the trainer's options cost per step, measured side by side in one process.
 
-    python benchmarks/trainer_options.py --out benchmarks/results/trainer_options.json
+    python -m benchmarks.trainer_options --out benchmarks/results/trainer_options.json
 
 The torch trainer on the default model (a 2-layer, hidden-64 Qwen2) and a default-sized batch (32
 groups of 8, prompts of 5 tokens, responses of 2–8), one trainer per variant, the variants' steps
@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from harness.synthetic import synthetic_batch
 from streamrl.buffer import QueueConfig, ReplayQueue
-from streamrl.buffer.synthetic import synthetic_batch
 from streamrl.config import ModelSection, TrainerSection
 from streamrl.correction import LossConfig
 from streamrl.models.hf import quiet_transformers

@@ -1,6 +1,6 @@
 """Weight streaming: publish-and-fetch time against weight size and producer count, beside the limit.
 
-    python benchmarks/weights.py --out benchmarks/results/weights.json
+    python -m benchmarks.weights --out benchmarks/results/weights.json
 
 For each size and producer count, in the same run:
   publish_fetch_s  the trainer's path (`WeightPublisher`: put once, announce to the weights actor, offer to
@@ -27,7 +27,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from streamrl.benchreport import BASELINES, Target, finish
+from harness.benchreport import BASELINES, Target, finish
 from streamrl.runtime.actors import create_actor
 from streamrl.runtime.connect import start_local
 from streamrl.runtime.engines import OFFER_GRACE_S, remote_fetch

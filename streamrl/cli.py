@@ -14,8 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-
 
 class CliError(Exception):
     """A user error: printed as one line, exit status 2."""
@@ -114,16 +112,20 @@ def admission(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    available = sorted(p.stem for p in BENCHMARKS.glob("*.py")) if BENCHMARKS.is_dir() else []
-    if not available:
-        raise CliError(f"no benchmarks found at {BENCHMARKS}: run from a source checkout of streamrl")
+    # The benchmarks and their harness are not in the installed package: they run from a source checkout.
+    checkout = Path.cwd()
+    scripts = checkout / "benchmarks"
+    available = sorted(p.stem for p in scripts.glob("*.py") if not p.name.startswith("_")) if scripts.is_dir() else []
+    if not available or not (checkout / "harness").is_dir():
+        raise CliError(f"no benchmarks in {checkout}: `streamrl bench` runs the benchmarks of a source checkout "
+                       "(git clone the repository, pip install -e . there, and run it from the checkout's root)")
     if args.name is None:
         print("benchmarks: " + ", ".join(available))
         return 0
     if args.name not in available:
         raise CliError(f"unknown benchmark {args.name!r}; choose one of: {', '.join(available)}")
-    command = [sys.executable, str(BENCHMARKS / f"{args.name}.py"), *args.args]
-    return subprocess.call(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    command = [sys.executable, "-m", f"benchmarks.{args.name}", *args.args]
+    return subprocess.call(command, cwd=checkout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,6 @@
 """Tiny launch settings shared by the end-to-end tests (a 2-layer model, 2-digit reversal)."""
 
-from streamrl.chaos.faults import tiny_settings as tiny
+from harness.chaos.faults import tiny_settings as tiny
 from streamrl.runtime.launch import launch, prepare
 
 

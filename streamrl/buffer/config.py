@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class QueueConfig(BaseModel):
     """What the queue admits, holds and hands to the trainer."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     group_size: int = Field(8, ge=1, le=4096)
     """G: samples generated per prompt; a committed group must hold exactly this many rows."""

@@ -17,7 +17,7 @@ LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 class LossConfig(BaseModel):
     """Policy loss and off-policy correction. Unused fields of other variants are ignored."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     name: Literal["decoupled_ppo", "ppo_bypass", "tis", "masked_is", "reinforce", "naive"] = "decoupled_ppo"
     """Which objective; `decoupled_ppo` corrects for stale data by default, `naive` is the baseline."""

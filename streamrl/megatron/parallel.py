@@ -38,7 +38,7 @@ def initialize(*, rank: int = 0, world_size: int = 1, tensor_parallel: int = 1, 
         timeout = datetime.timedelta(seconds=timeout_s)
         if world_size == 1:  # an in-memory store: no rendezvous port is opened at all
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        else:  # torch's TCP rendezvous (unauthenticated, as in every torch.distributed job: see README)
+        else:  # torch's TCP rendezvous (unauthenticated, as in every torch.distributed job: see docs/security.md)
             os.environ["MASTER_ADDR"] = master_addr
             os.environ["MASTER_PORT"] = str(master_port if master_port is not None else free_port())
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)

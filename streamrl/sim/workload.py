@@ -27,7 +27,7 @@ Z_99 = 2.3263478740408408  # standard normal 99th percentile
 class SimSection(BaseModel):
     """The simulated engine and trainer (`producers.engine = trainer.backend = task.kind = "sim"`)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     sequences_per_producer: int = Field(32, ge=1)
     """Continuous-batching slots of one engine."""

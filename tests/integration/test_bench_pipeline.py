@@ -1,0 +1,49 @@
+"""`streamrl bench pipeline` end to end on a tiny simulated workload: every schedule is a `streamrl launch`
+run whose directory the report names, and the report holds what it promises."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from checkout import ROOT
+
+BENCH = [sys.executable, "-m", "benchmarks.pipeline"]  # run from the checkout root (it imports harness)
+TINY = ["producers.count=2", "sim.sequences_per_producer=8", "queue.groups_per_step=4", "queue.max_in_flight=16",
+        "sim.prompt_tokens=8", "sim.median_tokens=16", "sim.p99_ratio=4", "sim.max_tokens=64", "sim.weights_mb=0.05",
+        "sim.time_scale=0.02"]
+
+
+@pytest.mark.ray
+def test_the_pipeline_report_holds_every_schedule_its_run_and_ratio(tmp_path):
+    out = tmp_path / "pipeline.json"
+    args = [*BENCH, "--window-s", "2", "--eta", "2", "--out", str(out)]
+    for item in TINY:
+        args += ["--set", item]
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    results = report["results"]
+    for schedule, eta in (("sync", 0), ("one_step", 1), ("async", 2)):
+        assert results[schedule]["tokens_per_s"] > 0
+        assert results[schedule]["staleness"]["max"] <= eta
+        run = Path(results[schedule]["run_dir"])  # the run a user would have launched, kept
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert len(metrics) > results[schedule]["steps_measured"] >= 2
+        config = (run / "config.toml").read_text()
+        assert 'engine = "sim"' in config and f"max_staleness = {eta}" in config
+    for key in ("speedup_async_vs_sync", "speedup_async_vs_one_step", "efficiency_async"):
+        assert results[key] == pytest.approx(report["targets"][key]["measured"])
+    assert results["efficiency_async"] == pytest.approx(
+        results["async"]["tokens_per_s"] / min(results["generation_alone"]["tokens_per_s"],
+                                               results["training_alone"]["tokens_per_s"]))
+    assert report["workload"]["producers"] == 2 and report["workload"]["async_eta"] == 2
+    assert "vs_baseline" in report  # compared with the stored baseline
+
+
+def test_a_bad_setting_is_refused_by_name():
+    done = subprocess.run([*BENCH, "--set", "sim.p99_ratio=0.5"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0
+    assert "p99_ratio" in done.stderr and "greater than or equal to 1" in done.stderr

@@ -1,0 +1,76 @@
+"""`streamrl bench staleness`: aggregation over seeds, the expectations as measured, and one tiny real run."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+from checkout import BENCHMARKS, ROOT
+
+SCRIPT = BENCHMARKS / "staleness.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("staleness_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_run(eta, correction, seed, final):
+    return {"eta": eta, "correction": correction, "seed": seed, "final_reward": final, "mean_reward": final / 2,
+            "eval_accuracy": 0.5,
+            "staleness_mean": eta * 0.8, "staleness_max": eta, "wall_s": 10.0, "ess_mean": 0.9,
+            "kl_behavior_proximal_mean": 0.001 * eta,
+            "clipped_fraction_mean": 0.0, "truncated_fraction_mean": 0.01, "masked_fraction_mean": 0.0,
+            "curve": {"step": [1, 2], "reward": [0.1, final], "elapsed_s": [1.0, 2.0]}}
+
+
+def test_results_are_keyed_by_eta_then_correction_with_the_spread_over_seeds():
+    bench = load_script()
+    runs = [fake_run(0, "decoupled_ppo", s, f) for s, f in enumerate([0.6, 0.8])]
+    runs += [fake_run(0, "naive", s, f) for s, f in enumerate([0.7, 0.7])]
+    runs += [fake_run(4, "decoupled_ppo", s, f) for s, f in enumerate([0.62, 0.64])]
+    runs += [fake_run(8, "naive", s, f) for s, f in enumerate([0.3, 0.32])]
+    results = bench.aggregate(runs)
+    cell = results["0"]["decoupled_ppo"]
+    assert cell["final_reward_mean"] == pytest.approx(0.7)
+    assert cell["final_reward_std"] == pytest.approx(0.1 * 2 ** 0.5)  # sample std (ddof 1)
+    assert cell["final_reward_sem"] == pytest.approx(0.1)
+    assert cell["seeds"] == [0, 1] and results["8"]["naive"]["staleness_mean"] == pytest.approx(6.4)
+    checks = bench.expectations(results)
+    corrected = checks["decoupled_ppo_eta4_vs_eta0"]
+    assert corrected["ratio"] == pytest.approx(0.63 / 0.7) and corrected["gap"] == pytest.approx(-0.07)
+    assert corrected["gap_se"] == pytest.approx((0.1 ** 2 + 0.01 ** 2) ** 0.5)
+    assert corrected["held"] is False  # 10% short of on-policy
+    naive = checks["naive_eta8_vs_eta0"]
+    assert naive["gap"] == pytest.approx(0.39) and naive["held"] is True  # 0.39 against an SE of 0.01
+
+
+def test_a_gap_within_the_noise_is_not_called_measurable():
+    bench = load_script()
+    runs = [fake_run(0, "naive", s, f) for s, f in enumerate([0.3, 0.9])]
+    runs += [fake_run(8, "naive", s, f) for s, f in enumerate([0.2, 0.8])]
+    assert bench.expectations(bench.aggregate(runs))["naive_eta8_vs_eta0"]["held"] is False
+
+
+def test_final_reward_is_the_mean_of_the_last_tenth_of_steps():
+    bench = load_script()
+    assert bench.final_mean(list(range(100))) == pytest.approx(94.5)  # the last 10 steps
+    assert bench.final_mean([1.0] * 5 + [3.0] * 5) == pytest.approx(2.0)  # short runs: the last 10
+
+
+@pytest.mark.ray
+def test_a_tiny_sweep_writes_every_pair_it_ran(tmp_path):
+    out = tmp_path / "staleness.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.staleness", "--etas", "1", "--corrections", "naive", "tis",
+                           "--seeds", "0", "--steps", "6", "--producers", "2", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    for correction in ("naive", "tis"):
+        cell = report["results"]["1"][correction]
+        assert {"final_reward_mean", "final_reward_std", "staleness_mean", "kl_behavior_proximal_mean"} <= set(cell)
+        assert cell["staleness_max"] <= 1 and cell["runs"][0]["steps"] == 6
+    assert out.with_suffix(".png").is_file()

@@ -1,0 +1,78 @@
+import json
+
+import pytest
+import ray
+from checkout import ROOT
+
+from streamrl.buffer import QueueConfig
+from streamrl.buffer.actor import create_queue_actor
+from streamrl.cli import main
+
+
+def test_bench_lists_and_refuses_unknown_names(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["bench"]) == 0
+    listed = capsys.readouterr().out
+    assert "buffer" in listed and "pipeline" in listed and "weights" in listed
+    assert main(["bench", "nonexistent"]) == 2
+    assert "unknown benchmark 'nonexistent'" in capsys.readouterr().err
+
+
+def test_bench_outside_a_checkout_says_it_needs_one(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "buffer"]) == 2
+    assert "runs the benchmarks of a source checkout" in capsys.readouterr().err
+
+
+def test_a_benchmark_runs_through_the_cli_from_the_checkout(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "correction.json"
+    assert main(["bench", "correction", "--repeats", "1", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["results"]
+
+
+def test_bad_verb_and_action_exit_nonzero(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["admission", "explode", "--run", "x"])
+    assert exc.value.code == 2 and "invalid choice: 'explode'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["admission", "status"])  # --run is required
+    assert "--run" in capsys.readouterr().err
+
+
+@pytest.mark.ray
+def test_admission_pause_resume_status_against_a_named_queue(ray_local, capsys):
+    queue = create_queue_actor("cli-run", QueueConfig(group_size=1, groups_per_step=1))
+    try:
+        assert main(["admission", "pause", "--run", "cli-run"]) == 0
+        assert "admission paused" in capsys.readouterr().out
+        assert main(["admission", "pause", "--run", "cli-run"]) == 0
+        assert "it already was, by the operator" in capsys.readouterr().out
+        assert ray.get(queue.admit.remote(0, 1)).blocked_by == "paused"
+        assert main(["admission", "status", "--run", "cli-run", "--json"]) == 0
+        status = json.loads(capsys.readouterr().out)
+        assert status["paused"] is True and status["holds"] == ["operator"]
+        # the launcher's shutdown hold is its own: the operator's resume leaves it in place, and says so
+        assert ray.get(queue.pause.remote("shutdown")) is False
+        assert main(["admission", "resume", "--run", "cli-run"]) == 0
+        out = capsys.readouterr().out
+        assert "admission resumed by the operator" in out and "stays paused while held by: shutdown" in out
+        assert ray.get(queue.admit.remote(0, 1)).blocked_by == "paused"
+        assert ray.get(queue.resume.remote("shutdown")) is True
+        assert main(["admission", "resume", "--run", "cli-run"]) == 0
+        assert "the operator had not paused admission" in capsys.readouterr().out
+        assert len(ray.get(queue.admit.remote(0, 1)).tickets) == 1
+        assert main(["admission", "status", "--run", "no-such-run"]) == 2
+        assert "no running streamrl run named 'no-such-run'" in capsys.readouterr().err
+    finally:
+        ray.kill(queue)
+
+
+def test_the_final_line_handles_a_run_stopped_before_its_first_step():
+    from streamrl.cli import describe_summary
+
+    summary = {"stopped_by": "interrupted", "steps": 0, "elapsed_s": 0.0, "reward_first_10pct": None,
+               "reward_last_10pct": None, "eval_accuracy_first": 0.0, "eval_accuracy_last": None,
+               "staleness_max": 0, "max_staleness": 2}
+    line = describe_summary(summary)
+    assert line.startswith("interrupted at step 0") and "reward n/a → n/a" in line and "0.00 → n/a" in line

@@ -1,0 +1,268 @@
+"""Faults injected into real runs (actors killed with SIGKILL, signals in every phase): the run survives
+what it can, stops cleanly with a resumable checkpoint when it cannot, and loses or duplicates nothing."""
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+import ray
+from checkout import FAKE_SGLANG
+from launching import resume_tiny, run_tiny, tiny
+
+from harness.chaos.audit import audit_run
+from harness.chaos.faults import launch_process
+from streamrl import failpoints
+from streamrl.buffer.checkpoint import load_queue
+from streamrl.runtime.launch import RunFailed
+from streamrl.runtime.rundir import RunDir
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture
+def armed(tmp_path, monkeypatch):
+    """Arm fail points for this test's runs (the driver hands them to its actors)."""
+    directory = tmp_path / "failpoints"
+    directory.mkdir()
+
+    def arm(spec: str) -> str:
+        monkeypatch.setenv(failpoints.ENV_SPEC, spec)
+        monkeypatch.setenv(failpoints.ENV_DIR, str(directory))
+        return str(directory)
+    return arm
+
+
+def assert_nothing_lost_or_repeated(run_dir, steps):
+    audit = audit_run(run_dir.path)
+    assert audit["steps"] == steps and audit["steps_in_order"], audit
+    assert audit["groups_lost"] == 0 and audit["groups_duplicated"] == 0, audit
+
+
+def events(run_dir):
+    return [e["event"] for e in run_dir.read("events.jsonl")]
+
+
+def test_producers_killed_mid_generation_and_right_after_a_commit_are_replaced(ray_local, tmp_path, armed):
+    directory = armed("producer.generate=kill@3;producer.after_commit=kill@4")
+    summary, run_dir = run_tiny(tmp_path, "producer-deaths", "run.steps=6", "producers.count=2")
+    assert sorted(failpoints.fired(directory)) == ["producer.after_commit", "producer.generate"]
+    assert summary["stopped_by"] == "steps" and summary["producer_restarts"] == 2
+    replaced = run_dir.read("events.jsonl")
+    assert [e["event"] for e in replaced] == ["producer_replaced"] * 2
+    # the producer killed mid-generation held running groups: they went back and were generated again
+    assert sum(e["prompts_returned"] for e in replaced) >= 1
+    # a batch committed just before its producer died belongs to the queue: it is trained, nothing is lost
+    assert_nothing_lost_or_repeated(run_dir, 6)
+
+
+def test_a_producer_that_dies_while_the_others_keep_the_trainer_fed_is_replaced(ray_local, tmp_path, armed):
+    """The trainer never starves (three producers, a wide staleness budget, no evaluations): every step
+    returns within a fraction of a second, yet the dead producer is noticed at once — before, it was looked
+    at only while a trainer call took over 0.5 s, so it was never replaced, its running tickets held their
+    slots and its weights hold kept old versions alive until the end."""
+    directory = armed("producer.generate=kill@4")
+    summary, run_dir = run_tiny(tmp_path, "fed", "run.steps=30", "producers.count=3", "producers.num_cpus=0.3", "queue.max_staleness=8",
+                                "queue.max_in_flight=24", "run.eval_every=0", "run.checkpoint_every=0")
+    assert failpoints.fired(directory) == ["producer.generate"]
+    (replaced,) = run_dir.read("events.jsonl")
+    assert replaced["event"] == "producer_replaced" and summary["producer_restarts"] == 1
+    assert replaced["step"] < 30, "noticed only when the run stopped"
+    assert len(summary["producers"]) == 3
+    assert summary["queue"]["running"] == 0  # no ticket of the dead producer kept its slot
+    logs = run_dir.path / "logs"
+    dead = replaced["producer"]
+    assert f"producer {dead} died at step" in (logs / "driver.log").read_text()
+    assert f"producer {dead} is gone: its running tickets" in (logs / "queue.log").read_text()
+    assert f"producer {dead} started" in (logs / f"producer-{dead}-restart1.log").read_text()
+    assert_nothing_lost_or_repeated(run_dir, 30)
+
+
+def test_an_sglang_producer_killed_after_a_commit_is_replaced_and_the_trainer_sends_to_its_new_servers(
+        ray_local, tmp_path, armed):
+    """Weights by broadcast from the trainer: the dead producer's update groups are closed in the
+    trainer, its replacement starts new servers (same ports) and opens new groups under new names."""
+    # After a version went into the servers and well before the last step: a commit holds one or two groups,
+    # so the 6th is at most 12 of the 32 groups trained (at the 14th, of 20, the run could already be over
+    # when the producer died, and nothing was left to replace).
+    directory = armed("producer.after_commit=kill@6")
+    launcher = json.dumps([sys.executable, str(FAKE_SGLANG),
+                           "--token-delay-s", "0.001", "--update-delay-s", "0.01", "--pause-poll-s", "0.05"])
+    summary, run_dir = run_tiny(tmp_path, "sglang-death", "run.steps=8", "producers.engine=sglang",
+                                "producers.count=1", f"producers.sglang.launcher={launcher}",
+                                "producers.sglang.servers=2", "producers.sglang.base_port=31760",
+                                "producers.sglang.weights=distributed")
+    assert failpoints.fired(directory) == ["producer.after_commit"]
+    assert summary["stopped_by"] == "steps" and summary["producer_restarts"] == 1
+    (replaced,) = run_dir.read("events.jsonl")
+    # groups open lazily, at a server's first load: by the kill one or both servers had theirs
+    assert replaced["event"] == "producer_replaced" and replaced["update_groups_closed"] in (1, 2)
+    (replacement,) = summary["producers"]
+    assert replacement["loads"] >= 1  # versions broadcast into the new servers, over new groups
+    assert summary["trainer_weight_broadcasts"]["groups"] >= 2  # each new server's own
+    assert_nothing_lost_or_repeated(run_dir, 8)
+
+
+def test_a_producer_that_keeps_dying_fails_the_run_once_restarts_are_used_up(ray_local, tmp_path, armed):
+    armed("producer.generate=kill")
+    with pytest.raises(RunFailed, match="producers.max_restarts = 0"):
+        run_tiny(tmp_path, "no-restarts", "run.steps=4", "producers.count=1", "producers.max_restarts=0")
+
+
+def test_a_trainer_killed_mid_step_resumes_from_the_last_checkpoint(ray_local, tmp_path, armed):
+    armed("trainer.train=kill@4")  # in the 4th step, after the checkpoint of step 2
+    with pytest.raises(RunFailed, match=r"the trainer actor died at step 3.*To resume from step_000002") as caught:
+        run_tiny(tmp_path, "trainer-death", "run.steps=5", "run.checkpoint_every=2", "producers.count=2")
+    assert "streamrl launch --resume" in str(caught.value)
+    run_dir = RunDir.open(tmp_path / "trainer-death")
+    assert events(run_dir) == ["run_failed"]
+    summary = resume_tiny(run_dir)
+    assert summary["stopped_by"] == "steps" and summary["steps"] == 5
+    # steps 3 trained before the death and the groups generated after the checkpoint are gone with the
+    # roll-back: step 3 onwards is trained once, from the checkpoint's queue and regenerated prompts
+    assert_nothing_lost_or_repeated(run_dir, 5)
+
+
+def test_a_killed_queue_stops_the_run_quickly_with_a_resumable_checkpoint(ray_local, tmp_path):
+    killed = {}
+
+    def kill_queue_after_step_3():
+        metrics = tmp_path / "queue-death" / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            time.sleep(0.1)
+        queue = ray.get_actor("queue-death/queue", namespace="streamrl")
+        os.kill(ray.get(queue.pid.remote()), signal.SIGKILL)
+        killed["at"] = time.monotonic()
+
+    killer = threading.Thread(target=kill_queue_after_step_3, daemon=True)
+    killer.start()
+    with pytest.raises(RunFailed, match=r"the queue actor died.*To resume from step_00000[24]"):
+        run_tiny(tmp_path, "queue-death", "run.steps=1000", "run.checkpoint_every=2", "producers.count=2")
+    stopped_within = time.monotonic() - killed["at"]
+    assert stopped_within < 30, stopped_within  # no hang: producers and trainer fail fast on the dead queue
+    run_dir = RunDir.open(tmp_path / "queue-death")
+    summary = resume_tiny(run_dir, "run.steps=6")  # the checkpoint may be step 4: the kill lands in steps 3–5
+    assert summary["steps"] == 6
+    assert_nothing_lost_or_repeated(run_dir, 6)
+
+
+def launch_subprocess(tmp_path, name, *extra, env=None):
+    items = tiny(tmp_path, name, "run.steps=100000", "run.checkpoint_every=2", "producers.count=2", *extra)
+    return launch_process(items, address=ray.get_runtime_context().gcs_address, env=env)
+
+
+def wait_for_fail_point(proc, directory, name, timeout=90):
+    deadline = time.time() + timeout
+    while name not in failpoints.fired(directory):
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"fail point {name} not reached: {proc.communicate()[0][-3000:]}")
+        time.sleep(0.1)
+
+
+def assert_consistent_final_checkpoint(run_dir):
+    checkpoint = run_dir.verified_checkpoint()  # every file matches its checksum
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    assert load_queue(checkpoint / "queue").version == meta["step"]  # queue and trainer at the same version
+    assert not list(run_dir.checkpoints.glob(".step_*"))  # no half-written directory left
+
+
+def assert_nothing_left(proc, name):
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # nothing of the launcher's process group is left
+    for role in ("queue", "weights", "trainer", "producer-0", "producer-1"):
+        with pytest.raises(ValueError):
+            ray.get_actor(f"{name}/{role}", namespace="streamrl")
+
+
+@pytest.mark.parametrize("phase, point, signum", [
+    ("generation", "producer.generate=sleep:4@2", signal.SIGINT),
+    ("training step", "trainer.train=sleep:4@3", signal.SIGINT),
+    ("training step", "trainer.train=sleep:4@3", signal.SIGTERM),
+    ("weight publish", "trainer.publish=sleep:4@3", signal.SIGTERM),
+    ("weight publish", "trainer.publish=sleep:4@3", signal.SIGINT),
+    ("checkpoint write", "checkpoint.write=sleep:4", signal.SIGINT),
+    ("checkpoint write", "checkpoint.write=sleep:4", signal.SIGTERM),
+])
+def test_a_signal_in_any_phase_stops_cleanly_with_a_consistent_checkpoint(ray_local, tmp_path, phase, point, signum):
+    directory = tmp_path / "failpoints"
+    directory.mkdir()
+    name = "signalled"
+    proc = launch_subprocess(tmp_path, name, env={failpoints.ENV_SPEC: point, failpoints.ENV_DIR: str(directory)})
+    wait_for_fail_point(proc, directory, point.partition("=")[0])
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground group
+    else:
+        proc.send_signal(signal.SIGTERM)  # a scheduler stopping the job
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output[-3000:]
+    run_dir = RunDir.open(tmp_path / name)
+    summary = json.loads((run_dir.path / "summary.json").read_text())
+    assert summary["stopped_by"] == "interrupted"
+    assert_consistent_final_checkpoint(run_dir)
+    assert_nothing_lost_or_repeated(run_dir, summary["steps"])
+    assert_nothing_left(proc, name)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_start_up_leaves_nothing(ray_local, tmp_path, signum):
+    directory = tmp_path / "failpoints"
+    directory.mkdir()
+    proc = launch_subprocess(tmp_path, "early", env={failpoints.ENV_SPEC: "launch.start=sleep:4",
+                                                      failpoints.ENV_DIR: str(directory)})
+    wait_for_fail_point(proc, directory, "launch.start")
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "nothing was trained" in output, output[-3000:]
+    assert not (tmp_path / "early").exists()  # the same command can simply be run again
+    assert_nothing_left(proc, "early")
+
+
+def test_a_driver_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(ray_local, tmp_path):
+    directory = tmp_path / "failpoints"
+    directory.mkdir()
+    proc = launch_subprocess(tmp_path, "torn", env={failpoints.ENV_SPEC: "checkpoint.write=kill@2",
+                                                     failpoints.ENV_DIR: str(directory)})
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, output[-3000:]
+    run_dir = RunDir.open(tmp_path / "torn")
+    assert list(run_dir.checkpoints.glob(".step_000004.tmp-*"))  # the torn write is still on disk
+    assert run_dir.verified_checkpoint().name == "step_000002"  # and the previous checkpoint is in force
+    summary = resume_tiny(run_dir, "run.steps=4")
+    assert summary["steps"] == 4
+    assert not list(run_dir.checkpoints.glob(".step_*"))
+    assert_nothing_lost_or_repeated(run_dir, 4)
+
+
+def test_ctrl_c_on_a_run_that_started_its_own_ray_stops_it_and_leaves_no_process(tmp_path):
+    """The default path: no --address, so the launcher's Ray (GCS, raylet, workers) is in the terminal's
+    process group and gets the Ctrl-C too; the run still stops with a checkpoint and Ray goes with it."""
+    proc = launch_process(tiny(tmp_path, "own-ray", "run.steps=100000", "run.checkpoint_every=2"))
+    metrics = tmp_path / "own-ray" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(proc.communicate()[0][-3000:])
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output[-3000:]
+    run_dir = RunDir.open(tmp_path / "own-ray")
+    assert json.loads((run_dir.path / "summary.json").read_text())["stopped_by"] == "interrupted"
+    assert_consistent_final_checkpoint(run_dir)
+    deadline = time.time() + 10
+    while time.time() < deadline:  # Ray's processes exit a moment after the launcher
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)

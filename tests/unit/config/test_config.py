@@ -1,0 +1,97 @@
+import pytest
+
+from streamrl.config import ConfigError, RunConfig, apply_overrides, config_from_dict, dump_config, load_config
+
+
+def test_default_config_is_the_builtin_cpu_run():
+    config = load_config()
+    assert config.task.kind == "reverse" and config.model.path is None
+    assert config.trainer.backend == "torch" and config.producers.engine == "torch"
+    assert config.loss.name == "decoupled_ppo"
+
+
+def test_overrides_are_typed_and_nested():
+    config = load_config(overrides=["queue.max_staleness=0", "trainer.lr=1e-3", "run.name=abc",
+                                    "trainer.betas=[0.8, 0.9]", "logging.wandb=true", "run.time_limit_s=12.5", "ray.num_cpus=null"])
+    assert config.queue.max_staleness == 0 and config.trainer.lr == 1e-3 and config.run.name == "abc"
+    assert config.trainer.betas == (0.8, 0.9) and config.logging.wandb is True and config.run.time_limit_s == 12.5
+    assert config.ray.num_cpus is None and load_config(overrides=["run.time_limit_s=null"]).run.time_limit_s is None
+
+
+def test_toml_file_plus_overrides_and_round_trip(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[queue]\ngroup_size = 4\ngroups_per_step = 8\n[run]\nsteps = 7\n')
+    config = load_config(path, ["run.steps=9"])
+    assert config.queue.group_size == 4 and config.run.steps == 9
+    again = tmp_path / "again.toml"
+    again.write_text(dump_config(config))
+    assert load_config(again) == config
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["queue.max_staleness=-1"], r"queue\.max_staleness: Input should be greater than or equal to 0 \(got -1\)"),
+    (["trainer.lr=fast"], r"trainer\.lr: .*valid number.*\(got 'fast'\)"),
+    (["trainer.lrr=0.1"], r"trainer\.lrr: Extra inputs are not permitted"),
+    (["loss.name=ppo"], r"loss\.name: Input should be 'decoupled_ppo', 'ppo_bypass'"),
+    (["task.kind=file"], r"task.kind = 'file' needs task\.prompts and task\.reward"),
+    (["queue.group_size=1"], r"group advantages need at least 2 samples"),
+    (["trainer.colocated=true"], r"trainer\.colocated = true needs producers\.engine = 'sglang' with"),
+    (["producers.engine=sglang", "producers.num_gpus=1", "producers.sglang.servers=2"],
+     r"producers\.num_gpus=1 is fewer than the 2 GPUs its sglang servers use"),
+    (["trainer.tensor_parallel=2"], r"trainer\.tensor_parallel=2 needs trainer\.backend = 'megatron'"),
+    (["producers.engine=sglang", "producers.num_gpus=1", "producers.sglang.weights=distributed"],
+     r"producers\.sglang\.weights = 'distributed' with servers on GPUs needs trainer\.num_gpus >= 1"),
+    (["producers.engine=sglang", "producers.sglang.memory_saver=true", "trainer.colocated=true",
+      "producers.sglang.weights=distributed"], r"sends from the trainer's GPU, which trainer\.colocated = true"),
+    (["producers.sglang.mem_fraction=1.5"], r"producers\.sglang\.mem_fraction: Input should be less than or equal to 1"),
+    (["trainer.minibatches=33"], r"trainer\.minibatches=33 is more than queue\.groups_per_step=32"),
+    (["trainer.minibatches=0"], r"trainer\.minibatches: Input should be greater than or equal to 1"),
+    (["model.hidden_size=130"], r"hidden_size=130 is not divisible by num_heads=4"),
+    (["run.name=bad name!"], r"run\.name: String should match pattern"),
+    (["queue.max_staleness=0", "queue.max_in_flight=2"], r"a synchronous step could never be filled"),
+    (["task.system_prompt=Be brief."], r"task\.system_prompt is put in by the chat template: set task\.chat_template"),
+    (["model.dtype=float16"], r"model\.dtype: Input should be 'float32' or 'bfloat16'"),
+    (["model.dtype=bfloat16", "trainer.backend=megatron"], r"the megatron trainer trains in float32 only"),
+    (["model.attention=flash_attention_2", "model.dtype=bfloat16"], r"needs the flash-attn package"),
+])
+def test_bad_values_name_the_field_and_the_value(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+
+
+@pytest.mark.parametrize("item", ["novalue", "=3", "run.steps.x=3"])
+def test_malformed_overrides_are_rejected(item):
+    with pytest.raises(ConfigError):
+        load_config(overrides=[item])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\nsteps = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_apply_overrides_does_not_mutate_its_input():
+    tree = {"run": {"steps": 3}}
+    assert apply_overrides(tree, ["run.steps=4"]) == {"run": {"steps": 4}} and tree == {"run": {"steps": 3}}
+    assert config_from_dict({}) == RunConfig()
+
+
+from checkout import LAUNCH  # noqa: E402  (tests/ is on the path: pyproject.toml)
+
+
+@pytest.mark.parametrize("name", ["default", "sync", "one-step", "cpu-large", "cluster", "gpu-split", "sim",
+                                  "gpu-cluster", "gpu-colocated", "long-tail", "../examples/own_task/config",
+                                  "../examples/math_long_tail/config", "../examples/gpu/one_gpu_colocated",
+                                  "../examples/gpu/eight_gpus_split"])
+def test_example_configs_load(name):
+    config = load_config(LAUNCH / f"{name}.toml")
+    if name == "default":
+        assert config == RunConfig()
+    if name == "sync":
+        assert config.queue.max_staleness == 0
+    if name == "one-step":
+        assert config.queue.max_staleness == 1 and config.queue.admission == "per_step"

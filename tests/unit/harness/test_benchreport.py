@@ -1,0 +1,35 @@
+"""The shared benchmark report: targets with the size of a miss, ratios against a stored baseline."""
+
+import json
+
+import pytest
+
+from harness.benchreport import Target, compare, finish
+
+
+def test_targets_say_whether_they_were_met_and_by_how_much():
+    results = {"speedup": 2.0, "nested": {"stall_s": 0.001}}
+    missed = Target("speedup", ">=", 2.5).check(results)
+    assert missed["met"] is False and missed["off_by"] == pytest.approx(0.8)
+    assert Target("nested.stall_s", "<=", 0.002).check(results)["met"] is True
+    with pytest.raises(ValueError, match="unknown comparison"):
+        Target("speedup", "==", 2).check(results)
+
+
+def test_baseline_ratios_skip_metrics_the_baseline_lacks(tmp_path):
+    baseline = {"results": {"a": {"tokens_per_s": 100.0}, "old_only": 1.0}}
+    ratios = compare({"a": {"tokens_per_s": 80.0}, "b": 3.0}, baseline, ["a.tokens_per_s", "b"])
+    assert ratios == {"a.tokens_per_s": pytest.approx(0.8)}
+
+
+def test_a_report_holds_results_targets_and_the_comparison(tmp_path):
+    base = tmp_path / "baseline.json"
+    base.write_text(json.dumps({"results": {"rate": 50.0}}))
+    out = tmp_path / "out" / "report.json"
+    finish("demo", out, workload={"n": 1}, results={"rate": 100.0}, targets=[Target("rate", ">=", 60)],
+           headline=["rate"], baseline=base)
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "demo" and report["workload"] == {"n": 1}
+    assert report["targets"]["rate"]["met"] is True
+    assert report["vs_baseline"]["ratios"] == {"rate": 2.0}
+    assert report["machine"]["cpus"] >= 1

@@ -1,0 +1,360 @@
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from harness.synthetic import synthetic_batch
+from streamrl.buffer import QueueConfig, ReplayQueue
+from streamrl.config import TrainerSection
+from streamrl.correction import LossConfig
+from streamrl.tasks.reverse import ReverseDigits
+from streamrl.trainer.torch_trainer import TorchTrainer, micro_batches
+
+
+def batch(groups=4, group_size=4, seed=0, response_len=(2, 7)):
+    queue = ReplayQueue(QueueConfig(group_size=group_size, groups_per_step=groups, max_in_flight=64))
+    tickets = queue.admit(0, groups).tickets
+    return synthetic_batch(tickets, group_size, prompt_len=(2, 5), response_len=response_len, vocab_size=17,
+                           rng=np.random.default_rng(seed))
+
+
+def trainer(model_dir, micro_batch_tokens=8192, loss="decoupled_ppo", lr=1e-3):
+    return TorchTrainer(model_dir, trainer=TrainerSection(micro_batch_tokens=micro_batch_tokens, lr=lr),
+                        loss=LossConfig(name=loss), group_size=4)
+
+
+def test_micro_batches_cover_every_row_once_within_the_budget():
+    lengths = np.array([5, 3, 9, 2, 7, 7, 1, 20])
+    chunks = list(micro_batches(lengths, token_budget=14))
+    assert sorted(np.concatenate(chunks).tolist()) == list(range(8))
+    for chunk in chunks:
+        assert len(chunk) * lengths[chunk].max() <= 14 or len(chunk) == 1
+
+
+@pytest.mark.parametrize("loss", ["decoupled_ppo", "tis", "ppo_bypass"])
+def test_micro_batching_gives_the_same_update_as_one_batch(tiny_model_dir, loss):
+    data = batch()
+    whole, split = trainer(tiny_model_dir, loss=loss), trainer(tiny_model_dir, micro_batch_tokens=12, loss=loss)
+    m_whole, m_split = whole.train(data), split.train(data)
+    assert m_whole["loss"] == pytest.approx(m_split["loss"], abs=1e-5)
+    assert m_whole["grad_norm"] == pytest.approx(m_split["grad_norm"], rel=1e-4)
+    for a, b in zip(whole.model.parameters(), split.model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert whole.version == split.version == 1
+
+
+def test_one_step_moves_the_policy_toward_higher_reward_samples(tiny_model_dir):
+    # Two samples per group: the rewarded one's log-prob should rise after a step.
+    data = batch(groups=2, group_size=4, response_len=4)
+    rewards = np.array([1, 0, 0, 0, 0, 0, 0, 1], dtype=np.float32)
+    data = data.set_column(data.schema.get_field_index("reward"), "reward", pa.array(rewards))
+    t = trainer(tiny_model_dir, lr=1e-2)
+    from streamrl.buffer.padded import to_padded
+    padded = to_padded(data)
+
+    def seq_logprob():
+        with torch.no_grad():
+            lp = t._token_logprobs(padded.input_ids, padded.attention_mask)
+        return (lp * padded.loss_mask[:, 1:]).sum(-1)
+
+    before = seq_logprob()
+    t.train(data)
+    after = seq_logprob()
+    assert (after - before)[[0, 7]].min() > (after - before)[[1, 2, 3, 4, 5, 6]].max()
+
+
+def test_checkpoint_round_trip_restores_weights_optimizer_and_version(tiny_model_dir, tmp_path):
+    t = trainer(tiny_model_dir)
+    t.train(batch(seed=1))
+    t.save(tmp_path)
+    restored = trainer(tmp_path / "model")
+    restored.load_optimizer(tmp_path)
+    assert restored.version == 1
+    data = batch(seed=2)
+    t.train(data)
+    restored.train(data)  # same weights + same Adam moments -> same next step
+    for a, b in zip(t.model.parameters(), restored.model.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_non_finite_gradient_skips_the_step_and_says_so(tiny_model_dir):
+    t = trainer(tiny_model_dir)
+    before = [p.detach().clone() for p in t.model.parameters()]
+    with torch.no_grad():
+        t.model.get_input_embeddings().weight[3, 0] = float("nan")
+        before[0][3, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="non-finite gradient norm at version 0"):
+        t.train(batch(groups=4))
+    assert t.version == 0
+
+
+def test_evaluate_reports_accuracy_and_reward_on_held_out_prompts(tiny_model_dir):
+    task = ReverseDigits(2)
+    result = trainer(tiny_model_dir).evaluate(task, limit=20, max_new_tokens=4)
+    assert result["eval_prompts"] == len(task.eval_numbers()) < 20  # about a tenth of the 100 strings
+    assert 0.0 <= result["eval_accuracy"] <= result["eval_reward"] + 1e-9 <= 1.0 + 1e-9
+
+
+def minibatch_trainer(model_dir, minibatches, loss="decoupled_ppo", lr=1e-2):
+    return TorchTrainer(model_dir, trainer=TrainerSection(minibatches=minibatches, lr=lr), loss=LossConfig(name=loss),
+                        group_size=4)
+
+
+@pytest.mark.parametrize("loss", ["decoupled_ppo", "naive", "tis"])
+def test_minibatches_step_each_share_of_groups_against_the_proximal_policy_of_the_step_start(tiny_model_dir, loss):
+    data = batch(groups=6, seed=3)
+    t = minibatch_trainer(tiny_model_dir, minibatches=2, loss=loss)
+    metrics = t.train(data)
+    assert t.version == 1 and metrics["optimizer_steps"] == 2
+
+    # Reference: the same two AdamW steps written out over whole padded tensors, p computed once before.
+    ref = minibatch_trainer(tiny_model_dir, minibatches=1, loss=loss)
+    from streamrl.buffer.padded import to_padded
+    from streamrl.correction import PolicyBatch, broadcast_to_tokens, grpo_advantages
+
+    padded = to_padded(data)
+    mask = padded.loss_mask[:, 1:]
+    adv = broadcast_to_tokens(grpo_advantages(padded.rewards, 4), mask)
+    with torch.no_grad():
+        p = ref._token_logprobs(padded.input_ids, padded.attention_mask)
+    for part in np.array_split(np.random.default_rng(0).permutation(6), 2):
+        rows = torch.from_numpy((part[:, None] * 4 + np.arange(4)).ravel())
+        ref.optimizer.zero_grad()
+        theta = ref._token_logprobs(padded.input_ids[rows], padded.attention_mask[rows])
+        loss_value, _ = ref.loss_fn(PolicyBatch(theta, padded.behavior_logprobs[rows, 1:], adv[rows], mask[rows],
+                                                proximal_logprobs=p[rows]), denominator=float(mask[rows].sum()))
+        loss_value.backward()
+        torch.nn.utils.clip_grad_norm_(ref.model.parameters(), 1.0)
+        ref.optimizer.step()
+    for a, b in zip(t.model.parameters(), ref.model.parameters()):
+        # sdpa over other widths: ≤ 1.1e-5 measured; a wrong p (θ.detach()) is off by 1.6e-2
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("loss, needs_proximal", [("reinforce", False), ("ppo_bypass", False),
+                                                   ("decoupled_ppo", True)])
+def test_the_proximal_forward_pass_runs_only_for_losses_that_read_it(tiny_model_dir, loss, needs_proximal):
+    """`LossConfig.needs_proximal` decides: with several mini-batches, a loss that never reads p (it
+    anchors on the behaviour policy) does not pay for the extra no-grad pass over the whole batch."""
+    t = minibatch_trainer(tiny_model_dir, minibatches=2, loss=loss)
+    passes = []
+    proximal = t._forward_logprobs
+    t._forward_logprobs = lambda *args: passes.append(1) or proximal(*args)
+    assert t.train(batch(groups=4, seed=5))["optimizer_steps"] == 2
+    assert len(passes) == int(needs_proximal)
+
+
+def test_minibatch_rows_are_whole_groups_each_trained_once():
+    t = TorchTrainer.__new__(TorchTrainer)
+    t.group_size, t.config, t._rng = 4, TrainerSection(minibatches=3), np.random.default_rng(0)
+    parts = t._minibatch_rows(7 * 4)
+    assert [len(p) for p in parts] == [12, 8, 8]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(28))
+    for part in parts:
+        assert all(set(part[i:i + 4] // 4) == {part[i] // 4} for i in range(0, len(part), 4))
+    assert len(t._minibatch_rows(2 * 4)) == 2  # never more mini-batches than groups
+
+
+def test_a_non_finite_gradient_in_a_later_minibatch_rolls_the_whole_step_back(tiny_model_dir):
+    t = minibatch_trainer(tiny_model_dir, minibatches=2)
+    before = [p.detach().clone() for p in t.model.parameters()]
+    calls = []
+    inner = t.loss_fn
+
+    def poisoned(policy_batch, **kwargs):  # the second mini-batch's loss is NaN
+        calls.append(1)
+        loss_value, metrics = inner(policy_batch, **kwargs)
+        return (loss_value * float("nan") if len(calls) > 1 else loss_value), metrics
+
+    poisoned.keywords = inner.keywords
+    t.loss_fn = poisoned
+    with pytest.raises(FloatingPointError, match="non-finite gradient norm at version 0"):
+        t.train(batch(groups=4))
+    assert len(calls) == 2 and t.version == 0
+    for a, b in zip(before, t.model.parameters()):
+        torch.testing.assert_close(a, b)
+    assert not t.optimizer.state  # AdamW's moments as before the step: none yet
+
+
+# ---- the learning-rate schedule and activation checkpointing ------------------------------------------------
+
+def test_the_schedule_warms_up_linearly_then_decays_to_its_floor():
+    from streamrl.trainer.schedule import lr_at
+
+    assert [lr_at(s, lr=1.0, warmup_steps=4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cosine = [lr_at(s, lr=2.0, schedule="cosine", warmup_steps=2, decay_steps=6, min_lr_ratio=0.1) for s in range(9)]
+    assert cosine[:3] == [1.0, 2.0, 2.0] and cosine[4] == pytest.approx(0.2 + 1.8 * 0.5)  # half-way: the middle
+    assert cosine[6:] == [pytest.approx(0.2)] * 3 and all(a >= b for a, b in zip(cosine[1:], cosine[2:]))
+    linear = [lr_at(s, lr=1.0, schedule="linear", decay_steps=4) for s in range(6)]
+    assert linear == [1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+    with pytest.raises(ValueError, match="needs decay_steps > warmup_steps"):
+        lr_at(0, lr=1.0, schedule="cosine", warmup_steps=2)
+
+
+def scheduled_trainer(model_dir, minibatches=2):
+    section = TrainerSection(lr=1e-2, lr_schedule="cosine", warmup_steps=2, lr_decay_steps=9, min_lr_ratio=0.1,
+                             minibatches=minibatches)
+    return TorchTrainer(model_dir, trainer=section, loss=LossConfig(name="decoupled_ppo"), group_size=4)
+
+
+def test_a_resumed_trainer_continues_the_schedule_exactly(tiny_model_dir, tmp_path):
+    """3 steps, a checkpoint, a new trainer from it, 2 more steps: the learning rates and weights of an
+    uninterrupted 5-step run (2 optimizer steps a batch: 10 in all, across the warm-up and the decay)."""
+    from streamrl.trainer.schedule import lr_at
+
+    data = [batch(seed=s) for s in range(5)]
+    whole = scheduled_trainer(tiny_model_dir)
+    lrs = [whole.train(d)["lr"] for d in data]
+    first = scheduled_trainer(tiny_model_dir)
+    resumed_lrs = [first.train(d)["lr"] for d in data[:3]]
+    first.save(tmp_path)
+    second = scheduled_trainer(tmp_path / "model")
+    second.load_optimizer(tmp_path)
+    assert second.optimizer_steps == 6 and second.version == 3
+    resumed_lrs += [second.train(d)["lr"] for d in data[3:]]
+    assert resumed_lrs == lrs  # each the rate of the step's last optimizer step
+    schedule = dict(lr=1e-2, schedule="cosine", warmup_steps=2, decay_steps=9, min_lr_ratio=0.1)
+    assert lrs == [lr_at(2 * i + 1, **schedule) for i in range(5)]
+    for a, b in zip(whole.model.parameters(), second.model.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_rolled_back_step_leaves_the_schedule_where_it_was(tiny_model_dir):
+    t = scheduled_trainer(tiny_model_dir)
+    t.train(batch(seed=0))
+    inner, calls = t.loss_fn, []
+
+    def poisoned(policy_batch, **kwargs):  # the second mini-batch's loss is NaN: the whole step rolls back
+        calls.append(1)
+        loss_value, metrics = inner(policy_batch, **kwargs)
+        return (loss_value * float("nan") if len(calls) > 1 else loss_value), metrics
+
+    poisoned.keywords = inner.keywords
+    t.loss_fn = poisoned
+    with pytest.raises(FloatingPointError):
+        t.train(batch(seed=1))
+    assert len(calls) == 2 and t.optimizer_steps == 2 and t.version == 1
+
+
+def test_activation_checkpointing_gives_the_same_update(tiny_model_dir):
+    plain = trainer(tiny_model_dir, lr=1e-2)
+    recomputed = TorchTrainer(tiny_model_dir, trainer=TrainerSection(lr=1e-2, gradient_checkpointing=True),
+                              loss=LossConfig(name="decoupled_ppo"), group_size=4)
+    data = batch(seed=3)
+    assert plain.train(data)["grad_norm"] == pytest.approx(recomputed.train(data)["grad_norm"], rel=1e-5)
+    for a, b in zip(plain.model.parameters(), recomputed.model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_schedule_and_checkpointing_contradictions_are_refused():
+    from streamrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="warmup_steps=50 reaches the decay's end"):
+        load_config(None, ["trainer.lr_schedule=cosine", "trainer.warmup_steps=50", "run.steps=40"])
+    with pytest.raises(ConfigError, match="gradient_checkpointing needs trainer.backend = 'torch'"):
+        load_config(None, ["trainer.gradient_checkpointing=true", "trainer.backend=megatron"])
+    assert load_config(None, ["trainer.lr_schedule=linear", "run.steps=40"]).optimizer_steps == 40
+
+
+def with_exact_behaviour(model_dir, data):
+    """`data` with behaviour log-probs computed exactly as a float32 trainer computes them: a sampler
+    that matched the trainer bit for bit."""
+    from streamrl.buffer.padded import to_padded
+
+    padded = to_padded(data)
+    with torch.no_grad():
+        exact = trainer(model_dir)._token_logprobs(padded.input_ids, padded.attention_mask)
+    mask = padded.loss_mask[:, 1:].bool()
+    rows = [exact[i][mask[i]].tolist() for i in range(len(exact))]
+    return data.set_column(data.schema.get_field_index("behavior_logprobs"), "behavior_logprobs",
+                           pa.array(rows, type=pa.list_(pa.float32())))
+
+
+def test_the_train_inference_mismatch_is_reported_and_bf16_training_keeps_float32_weights(tiny_model_dir):
+    data = with_exact_behaviour(tiny_model_dir, batch())
+    tokens = sum(len(row) for row in data.column("behavior_logprobs").to_pylist())
+    same = trainer(tiny_model_dir).train(data)
+    assert same["mismatch_tokens"] == tokens  # the synthetic batch is all version 0: the trainer's own
+    assert same["mismatch_abs_max"] < 1e-5 and same["mismatch_kl"] < 1e-10
+    bf16 = TorchTrainer(tiny_model_dir, trainer=TrainerSection(), loss=LossConfig(), group_size=4, dtype="bfloat16")
+    metrics = bf16.train(data)
+    assert metrics["mismatch_abs_max"] > 1e-4 and 0 < metrics["mismatch_kl"] < 1e-2  # bf16's rounding, no more
+    assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.float32}  # the optimizer's master weights
+    assert {v.dtype for s in bf16.optimizer.state.values() for k, v in s.items() if k != "step"} == {torch.float32}
+
+
+def test_a_stale_only_batch_reports_no_mismatch(tiny_model_dir):
+    queue = ReplayQueue(QueueConfig(group_size=4, groups_per_step=4, max_in_flight=64))
+    t = trainer(tiny_model_dir)
+    t.version = 3
+    data = synthetic_batch(queue.admit(0, 4).tickets, 4, prompt_len=(2, 5), response_len=(2, 7), vocab_size=17,
+                           rng=np.random.default_rng(0), version=1)
+    assert not {"mismatch_kl", "mismatch_abs_max", "mismatch_tokens"} & set(t.train(data))
+
+
+def kl_trainer(model_dir, kl_coef, estimator="k1", **section):
+    return TorchTrainer(model_dir, trainer=TrainerSection(lr=3e-2, **section),
+                        loss=LossConfig(name="reinforce", kl_coef=kl_coef, kl_estimator=estimator), group_size=4)
+
+
+def test_the_kl_penalty_uses_reference_log_probs_of_the_initial_weights(tiny_model_dir):
+    """The gradient of the step equals the gradient written out by hand: the policy term plus
+    kl_coef × ∂(θ − ref) over the tokens, ref from a frozen copy of the weights the trainer started from."""
+    from streamrl.buffer.padded import to_padded
+    from streamrl.correction import PolicyBatch, make_loss
+
+    data = batch()
+    t = kl_trainer(tiny_model_dir, kl_coef=0.5)
+    t.train(data)  # θ moves away from the reference
+    padded = to_padded(data)
+    mask = padded.loss_mask[:, 1:]
+    adv = torch.zeros_like(mask, dtype=torch.float32)  # isolate the penalty: no policy-gradient term
+    with torch.no_grad():
+        ref = trainer(tiny_model_dir)._token_logprobs(padded.input_ids, padded.attention_mask)  # initial weights
+    theta = t._token_logprobs(padded.input_ids, padded.attention_mask)
+    loss, metrics = make_loss(LossConfig(name="reinforce", kl_coef=0.5, kl_estimator="k1"))(
+        PolicyBatch(theta, padded.behavior_logprobs[:, 1:], adv, mask, ref_logprobs=t._reference_logprobs(
+            padded, (padded.prompt_lengths + padded.response_lengths).numpy(), np.arange(len(mask)))))
+    by_hand = 0.5 * ((theta - ref) * mask).sum() / mask.sum()
+    grads = torch.autograd.grad(loss, list(t.model.parameters()), retain_graph=True)
+    expected = torch.autograd.grad(by_hand, list(t.model.parameters()))
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert float(metrics["kl_ref"]) == pytest.approx(float(by_hand.detach()) / 0.5, rel=1e-5)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_large_kl_coefficient_keeps_the_policy_at_its_reference(tiny_model_dir, offload):
+    data = batch(seed=1)
+    free = kl_trainer(tiny_model_dir, 1e-4, "k3")  # k3 ≥ 0 on any tokens (these are not sampled from θ)
+    held = kl_trainer(tiny_model_dir, 50.0, "k3", reference_offload=offload)
+    for _ in range(6):
+        loose, tight = free.train(data), held.train(data)
+    assert loose["kl_ref"] > 0.05  # the policy moved away from its start
+    assert tight["kl_ref"] < loose["kl_ref"] / 10
+    assert held.reference.device.type == "cpu" if offload else True
+
+
+def test_a_resumed_trainer_keeps_the_initial_weights_as_its_reference(tiny_model_dir, tmp_path):
+    first = kl_trainer(tiny_model_dir, 0.5)
+    first.train(batch())
+    first.save(tmp_path)
+    resumed = TorchTrainer(tmp_path / "model", trainer=TrainerSection(lr=3e-2),
+                           loss=LossConfig(name="reinforce", kl_coef=0.5, kl_estimator="k1"), group_size=4,
+                           reference_dir=tiny_model_dir)
+    for ours, initial in zip(resumed.reference.parameters(), trainer(tiny_model_dir).model.parameters()):
+        torch.testing.assert_close(ours, initial, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_bfloat16_step_keeps_float32_master_weights_and_reports_its_mismatch(tiny_model_dir):
+    """Where bf16 is meant to run (a GPU): the same properties as on the CPU, with the device's kernels."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    data = with_exact_behaviour(tiny_model_dir, batch())
+    bf16 = TorchTrainer(tiny_model_dir, trainer=TrainerSection(), loss=LossConfig(kl_coef=0.1), group_size=4,
+                        dtype="bfloat16", attention="sdpa")
+    metrics = bf16.train(data)
+    assert bf16.device.type == "cuda" and {p.dtype for p in bf16.model.parameters()} == {torch.float32}
+    assert 0 < metrics["mismatch_abs_max"] < 0.5 and np.isfinite(metrics["loss"]) and "kl_ref" in metrics
