@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-Loader = Callable[..., None]  # puts one version's weights into a server (an SglangClient)
+from streamrl.sglang.client import SglangClient
+
+Loader = Callable[[SglangClient], None]  # as `weights.server_paths.Loader` (which imports this module)
 
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json")

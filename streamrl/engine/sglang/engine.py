@@ -38,10 +38,10 @@ import numpy as np
 from streamrl.buffer.schema import LENGTH, STOP
 from streamrl.engine.sglang.server import ServerProcess
 from streamrl.sglang.client import EngineUnreachable, SglangClient, SglangError
+from streamrl.weights.server_paths import Loader
 
 log = logging.getLogger(__name__)
 
-Loader = Callable[[SglangClient], None]  # puts one version's weights into a server
 T = TypeVar("T")
 
 

@@ -23,12 +23,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from streamrl.engine.base import Sample
-from streamrl.engine.sglang.engine import EngineLost, EventLoopThread, Loader, SglangEngine
+from streamrl.engine.sglang.engine import EngineLost, EventLoopThread, SglangEngine
 from streamrl.weights.receiver import Fetch
+from streamrl.weights.server_paths import LoaderFor
 
 log = logging.getLogger(__name__)
-
-LoaderFor = Callable[[int, Any], Loader]  # (version, what fetch returned) → how that version enters a server
 
 
 class SglangWeights:
