@@ -16,7 +16,6 @@ consistent state (the trainer is idle), which is what makes its checkpoints exac
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -31,120 +30,30 @@ import ray
 from streamrl import failpoints, logs
 from streamrl.buffer.actor import NAMESPACE, create_queue_actor
 from streamrl.config import ConfigError, RunConfig
-from streamrl.runtime.actors import ProducerActor, TrainerActor, create_actor
+from streamrl.runtime.actors import TrainerActor, create_actor
 from streamrl.runtime.connect import RayConnectError, join_cluster, start_local
-from streamrl.runtime.engines import update_group_prefix
 from streamrl.runtime.interrupts import interrupts_deferred
+from streamrl.runtime.preflight import Plan, check_model_and_task, check_resume_overrides, preflight, resolve_paths
 from streamrl.runtime.progress import ProgressView
-from streamrl.runtime.rundir import RunDir, RunDirError
+from streamrl.runtime.rundir import (
+    EVAL_FILE,
+    EVENTS_FILE,
+    GROUPS_FILE,
+    METRICS_FILE,
+    STEP_FILES,
+    SUMMARY_FILE,
+    RunDir,
+    RunDirError,
+)
 from streamrl.runtime.summary import summarize
+from streamrl.runtime.supervision import Producers, RunActors, RunFailed, first_line
 from streamrl.weights.actor import WeightsActor
+
+__all__ = ["Run", "RunFailed", "launch", "prepare"]
 
 log = logging.getLogger(__name__)
 
-# Fields a resumed run may not change: they define the data already generated and the model trained.
-FROZEN_ON_RESUME = ("model", "task", "queue.group_size", "queue.groups_per_step", "trainer.backend",
-                    "trainer.tensor_parallel", "trainer.pipeline_parallel")  # the optimizer state is saved per shard
-METRICS_FILE, GROUPS_FILE, EVAL_FILE, EVENTS_FILE = "metrics.jsonl", "groups.jsonl", "eval.jsonl", "events.jsonl"
 SHUTDOWN_HOLD = "shutdown"  # the launcher's admission hold while producers stop (the operator's is its own)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
-
-
-def _section(config: RunConfig, dotted: str) -> Any:
-    value: Any = config
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def check_resume_overrides(saved: RunConfig, wanted: RunConfig) -> None:
-    for field in FROZEN_ON_RESUME:
-        if _section(saved, field) != _section(wanted, field):
-            raise ConfigError(f"{field} cannot change when resuming (the run was started with "
-                              f"{_section(saved, field)!r})")
-
-
-def model_facts(config: RunConfig) -> dict[str, Any]:
-    """The model's `config.json` (model.path), or what the built-in model will be built with."""
-    if config.task.kind == "sim":
-        return {"vocab_size": config.sim.vocab_size}  # no model: the simulator's tokens
-    if config.model.path is None:
-        from streamrl.tasks.reverse import CharVocab
-
-        return {"vocab_size": len(CharVocab()), "max_position_embeddings": config.model.max_positions,
-                "num_hidden_layers": config.model.num_layers}
-    model_dir = Path(config.model.path).expanduser()
-    if not (model_dir / "config.json").is_file():
-        raise ConfigError(f"model.path {str(model_dir)!r} is not a Hugging Face model directory (no config.json)")
-    return json.loads((model_dir / "config.json").read_text())
-
-
-def resolve_paths(config: RunConfig) -> RunConfig:
-    """Relative paths are relative to the launch directory; actors run elsewhere, and a resumed run
-    may start from another directory, so the resolved config holds absolute ones."""
-    def absolute(value: str | None) -> str | None:
-        return None if value is None else str(Path(value).expanduser().resolve())
-
-    return config.model_copy(update={
-        "run": config.run.model_copy(update={"output_dir": absolute(config.run.output_dir)}),
-        "model": config.model.model_copy(update={"path": absolute(config.model.path)}),
-        "task": config.task.model_copy(update={"prompts": absolute(config.task.prompts),
-                                               "eval_prompts": absolute(config.task.eval_prompts)}),
-    })
-
-
-def check_model_and_task(config: RunConfig) -> None:
-    """Cross-checks between the model's files and the task, before anything is created."""
-    facts = model_facts(config)
-    positions = facts.get("max_position_embeddings")
-    layers, stages = facts.get("num_hidden_layers"), config.trainer.pipeline_parallel
-    if layers is not None and layers % stages:
-        raise ConfigError(f"trainer.pipeline_parallel={stages} does not divide the model's {layers} layers "
-                          "(num_hidden_layers): every stage holds the same number of layers")
-    if config.task.kind == "file":
-        from transformers import AutoTokenizer
-
-        from streamrl.tasks import make_task
-
-        try:  # reads and tokenizes the prompt files, imports the reward function: errors name the file or function
-            make_task(config.task, AutoTokenizer.from_pretrained(config.model.path), search_path=os.getcwd(),
-                      max_prompt_tokens=None if positions is None else positions - 1)  # room for one response token
-        except (ValueError, FileNotFoundError) as exc:
-            raise ConfigError(f"task: {exc}") from exc
-    kind = config.task.kind
-    if kind in ("reverse", "long_tail") and config.model.path is not None:
-        from transformers import AutoTokenizer
-
-        from streamrl.tasks.reverse import CharVocab
-
-        ids = AutoTokenizer.from_pretrained(Path(config.model.path).expanduser()).get_vocab()
-        expected = {tok: i for i, tok in enumerate(CharVocab().tokens)}
-        if any(ids.get(tok) != i for tok, i in expected.items()):
-            raise ConfigError(f"task.kind = {kind!r} needs the character tokenizer streamrl builds "
-                              f"(model.path {config.model.path!r} maps its characters to other ids)")
-    if kind in ("reverse", "long_tail") and positions is not None:
-        field, digits = ("digits", config.task.digits) if kind == "reverse" else ("max_digits", config.task.max_digits)
-        longest = digits + 2 + (config.sampling.max_new_tokens or digits + 2)  # <bos> digits > | answer <eos>
-        if longest > positions:
-            raise ConfigError(f"task.{field}={digits}: sequences of up to {longest} tokens exceed the "
-                              f"model's max_position_embeddings={positions}")
-
-
-def check_resources(config: RunConfig) -> None:
-    """Refuse a run the cluster cannot place (Ray would wait for the resources forever)."""
-    cluster = ray.cluster_resources()
-    ranks = config.trainer.ranks
-    for kind, field in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
-        wanted = ranks * getattr(config.trainer, field) + config.producers.count * getattr(config.producers, field)
-        have = cluster.get(kind, 0)
-        if wanted > have:
-            raise ConfigError(f"the run reserves {wanted:g} {kind}s (trainer.tensor_parallel × data_parallel "
-                              f"× pipeline_parallel × trainer.{field} + producers.count × producers.{field}) but "
-                              f"the Ray cluster has {have:g}")
 
 
 def trainer_placement(config: RunConfig):
@@ -183,46 +92,45 @@ def connect_ray(config: RunConfig) -> bool:
     return True
 
 
-def producer_seed(base: int, producer_id: int, start_version: int, restart: int = 0) -> int:
-    key = f"{base}/{producer_id}/{start_version}" + (f"/{restart}" if restart else "")
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little")
-
-
-class RunFailed(RuntimeError):
-    """A part of the run that cannot be replaced died; the message says which, and how to resume."""
-
-
-def actor_died(exc: BaseException) -> bool:
-    """The error says an actor's process is gone (killed, crashed, its node lost), not that its code raised."""
-    while exc is not None:
-        if isinstance(exc, ray.exceptions.ActorDiedError):  # not ActorUnavailableError: that may pass
-            return True
-        exc = exc.__cause__ if isinstance(exc, ray.exceptions.RayTaskError) else None
-    return False
-
-
 class Run:
+    """One run as the driver sees it: started from a plan, stepped, recorded, stopped. Between steps the
+    trainer is idle, so what the driver records and checkpoints there is a consistent state."""
+
     def __init__(self, config: RunConfig, run_dir: RunDir, *, resume_from: Path | None = None):
         self.config, self.run_dir, self.resume_from = config, run_dir, resume_from
         self.name = config.run.name
         self.meta = json.loads((resume_from / "meta.json").read_text()) if resume_from else {}
-        self.start_step = self.meta.get("step", 0)
-        self.elapsed_before = self.meta.get("elapsed_s", 0.0)
-        self.step = self.start_step
-        self.stopped_by: str | None = None
-        self.actors: list[ray.actor.ActorHandle] = []
-        self.producers: list[ray.actor.ActorHandle] = []
-        self.producer_runs: list[ray.ObjectRef] = []
-        self.last_checkpoint_step: int | None = self.start_step if resume_from else None
-        self.trained_tokens = self.meta.get("trained_tokens", 0)
-        self.producer_stats: list[dict[str, Any]] = []
-        self.weight_histories: list[list[tuple[float, int]]] = []
-        self._wandb = None
-        self._pending: ray.ObjectRef | None = None
-        self.trainer_group = None  # the placement group of a tensor-parallel trainer
-        self.producer_restarts = 0
+        self.start_step: int = self.meta.get("step", 0)
+        self.elapsed_before: float = self.meta.get("elapsed_s", 0.0)
+        # ---- set by start()
+        self.plan: Plan | None = None
+        self.actors = RunActors()
+        self.producers: Producers | None = None
+        self.trainer_group = None  # the placement group of a multi-rank trainer
         self.model_dir: Path | None = None
+        self._wandb = None
+        # ---- the loop's state
+        self.step: int = self.start_step
+        self.trained_tokens: int = self.meta.get("trained_tokens", 0)
+        self.last_metrics: dict[str, Any] = {}
+        self.last_checkpoint_step: int | None = self.start_step if resume_from else None
+        self.stopped_by: str | None = None  # steps, time_limit, stopped, interrupted
+        self._pending: ray.ObjectRef | None = None  # the trainer's step asked for, not yet recorded
+        self._started = time.perf_counter()  # reset when training starts
+        self._last_end = self._started  # when the last recorded step returned
         self._view: ProgressView | None = None
+
+    @property
+    def queue(self) -> ray.actor.ActorHandle:
+        return self.actors.queue
+
+    @property
+    def trainer(self) -> ray.actor.ActorHandle:
+        return self.actors.trainer
+
+    @property
+    def trainer_sends_weights(self) -> bool:
+        return self.plan is not None and self.plan.trainer_sends_weights
 
     # ---- start -------------------------------------------------------------------------------------------
     def _model_dir(self) -> Path:
@@ -240,150 +148,72 @@ class Run:
 
     def start(self) -> None:
         cfg = self.config
-        model_dir = self._model_dir()
-        check_resources(cfg)
-        vocab = int(model_facts(cfg)["vocab_size"])
-        queue_cfg = cfg.queue.model_copy(update={"vocab_size": vocab})
-        self.search_path = search_path = os.getcwd()
-        restore = str(self.resume_from / "queue") if self.resume_from else None
-        self.queue = create_queue_actor(self.name, queue_cfg, restore_from=restore)
-        self.weights = create_actor(WeightsActor, self.name, "weights", max_concurrency=cfg.producers.count + 4)
-        self.actors += [self.queue, self.weights]
-        trainer_model = self.resume_from / "trainer" / "model" if self.resume_from else model_dir
-        trainer_resume = str(self.resume_from / "trainer") if self.resume_from else None
-        self.config_dict = config_dict = cfg.model_dump(mode="json")
-        self.trainer_group = trainer_placement(cfg)  # tensor-parallel ranks kept on one node
-        # a step, a cancel and producers subscribing; with "distributed" weights each producer's group calls
-        # (one server at a time: a broadcast, and the open or close that can overlap a failed one)
-        broadcasts = 3 * cfg.producers.count if self.trainer_sends_weights else 0
-        self.trainer = create_actor(TrainerActor, self.name, "trainer", self.name, config_dict, str(trainer_model),
-                                    trainer_resume, search_path, self.trainer_group, str(model_dir),
-                                    num_cpus=cfg.trainer.num_cpus,
-                                    num_gpus=cfg.trainer.num_gpus, max_concurrency=3 + broadcasts,
-                                    placement=(self.trainer_group, 0))
-        self.actors.append(self.trainer)
-        self.model_dir = model_dir
-        self.producers = [self._create_producer(pid) for pid in range(cfg.producers.count)]
+        self.plan = plan = preflight(cfg, ray.cluster_resources(), self.resume_from)
+        self.model_dir = model_dir = self._model_dir()
+        search_path = os.getcwd()
+        actors = self.actors
+        actors.queue = actors.add(create_queue_actor(self.name, plan.queue, restore_from=plan.queue_restore))
+        actors.weights = actors.add(create_actor(WeightsActor, self.name, "weights",
+                                                 max_concurrency=cfg.producers.count + 4))
+        config_dict = cfg.model_dump(mode="json")
+        self.trainer_group = trainer_placement(cfg)  # the trainer's ranks kept on one node
+        actors.trainer = actors.add(create_actor(
+            TrainerActor, self.name, "trainer", self.name, config_dict, plan.trainer_model or str(model_dir),
+            plan.trainer_resume, search_path, self.trainer_group, str(model_dir), num_cpus=cfg.trainer.num_cpus,
+            num_gpus=cfg.trainer.num_gpus, max_concurrency=plan.trainer_concurrency,
+            placement=(self.trainer_group, 0)))
+        self.producers = Producers(cfg, plan, actors, self.run_dir, start_step=self.start_step,
+                                   model_dir=str(model_dir), search_path=search_path, notify=self._notify)
+        producers = self.producers.create_all()
         failpoints.hit("launch.start")
         # sglang producers start their servers in their constructor (weights loaded, CUDA graphs captured)
-        ready_timeout = 300 + (cfg.producers.sglang.startup_timeout_s if cfg.producers.engine == "sglang" else 0)
-        ray.get([a.ready.remote() for a in [self.trainer, *self.producers]], timeout=ready_timeout)
-        version = ray.get(self.trainer.publish.remote())
+        ray.get([a.ready.remote() for a in [actors.trainer, *producers]], timeout=plan.ready_timeout_s)
+        version = ray.get(actors.trainer.publish.remote())
         if version != self.start_step:
             raise RunDirError(f"the checkpoint's trainer is at version {version}, its metadata says step "
                               f"{self.start_step}")
-        queue_version = ray.get(self.queue.status.remote())["version"]
+        queue_version = ray.get(actors.queue.status.remote())["version"]
         if queue_version != version:
             raise RunDirError(f"the checkpoint's queue is at version {queue_version}, its trainer at {version}")
-        self.producer_runs = [p.run.remote() for p in self.producers]
+        self.producers.start_all()
         if cfg.logging.wandb:
             import wandb
 
             self._wandb = wandb.init(project=cfg.logging.wandb_project, name=self.name, dir=str(self.run_dir.path),
                                      mode=cfg.logging.wandb_mode, config=config_dict, resume="allow")
 
-    def _create_producer(self, pid: int, restart: int = 0) -> ray.actor.ActorHandle:
-        cfg = self.config
-        seed = producer_seed(cfg.run.seed, pid, self.start_step, restart)
-        work_dir = str(self.run_dir.path / "sglang") if cfg.producers.engine == "sglang" else None
-        # A dead actor's name stays taken while handles to it live: a replacement gets its own name.
-        role = f"producer-{pid}" + (f"-restart{restart}" if restart else "")
-        producer = create_actor(ProducerActor, self.name, role, self.name, pid, self.config_dict, str(self.model_dir),
-                                seed, self.search_path, work_dir, num_cpus=cfg.producers.num_cpus,
-                                num_gpus=cfg.producers.num_gpus,
-                                max_concurrency=5)  # run; the queue's take_batch, the trainer's offers, status
-        self.actors.append(producer)
-        return producer
+    def _notify(self, text: str) -> None:
+        if self._view is not None:
+            self._view.print(text)
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def _await(self, ref: ray.ObjectRef) -> Any:
         """Wait for a trainer call and, at the same time, for any producer's run to end: a producer that
         died is replaced at once (however fast the trainer's calls return), one that failed fails the run."""
         while True:
+            runs = self.producers.runs if self.producers is not None else []
             # a bounded wait, so that Ctrl-C reaches the driver between waits
-            ready, _ = ray.wait([ref, *self.producer_runs], num_returns=1, timeout=1.0)
+            ready, _ = ray.wait([ref, *runs], num_returns=1, timeout=1.0)
             if not ready:
                 continue
             if ready[0] == ref:
                 return ray.get(ref)
-            self._producer_ended(self.producer_runs.index(ready[0]))
-
-    def _producer_ended(self, pid: int) -> None:
-        """A producer's run returned or raised while the run was training."""
-        try:
-            stats = ray.get(self.producer_runs[pid])
-        except ray.exceptions.RayError as exc:
-            if not actor_died(exc) or self.dead_core_actor() is not None:
-                raise
-            self.replace_producer(pid, exc)
-            return
-        raise RuntimeError(f"producer {pid} stopped while the run was training ({stats})")
-
-    def dead_core_actor(self) -> str | None:
-        """The first of queue, weights and trainer whose process is gone (None: all three answer)."""
-        for role, call in (("queue", lambda: self.queue.status.remote()),
-                           ("weights", lambda: self.weights.status.remote()),
-                           ("trainer", lambda: self.trainer.ready.remote())):
-            try:
-                ray.get(call(), timeout=30)
-            except ray.exceptions.ActorDiedError:
-                return role
-            except ray.exceptions.GetTimeoutError:
-                continue  # alive, only busy (a trainer's threads can all be in weight broadcasts)
-        return None
+            self.producers.ended(ready[0], step=self.step)
 
     def failure(self, exc: BaseException) -> RunFailed | None:
         """What to tell the user when the loop failed because a queue, weights or trainer actor died;
         None when they are all alive (the error is something else and propagates as it is)."""
-        role = self.dead_core_actor()
+        role = self.actors.dead_core_actor()
         if role is None:
             return None
         checkpoint = self.run_dir.latest_checkpoint_name()
         resume = (f"To resume from {checkpoint}: streamrl launch --resume {self.run_dir.path}" if checkpoint else
                   "No checkpoint was written yet (run.checkpoint_every): start the run again")
-        log.error("the %s actor died at step %s (%s)", role, self.step, _first_line(exc))
+        log.error("the %s actor died at step %s (%s)", role, self.step, first_line(exc))
         self.run_dir.append(EVENTS_FILE, {"event": "run_failed", "dead": role, "step": self.step,
-                                          "error": _first_line(exc), "at": time.time()})
-        return RunFailed(f"the {role} actor died at step {self.step} ({_first_line(exc)}); the run stopped. "
+                                          "error": first_line(exc), "at": time.time()})
+        return RunFailed(f"the {role} actor died at step {self.step} ({first_line(exc)}); the run stopped. "
                          f"{resume}")
-
-    def replace_producer(self, pid: int, exc: BaseException) -> None:
-        """A producer died: its running groups' prompts go back to the queue (its committed groups are the
-        queue's and stay), it stops holding a weights version, and a new producer takes its place."""
-        if self.producer_restarts >= self.config.producers.max_restarts:
-            raise RunFailed(f"producer {pid} died and producers.max_restarts = {self.config.producers.max_restarts} "
-                            f"replacements are used up ({_first_line(exc)})") from exc
-        if self.config.trainer.colocated:  # the trainer takes GPU turns with the servers of these very actors
-            raise RunFailed(f"producer {pid} died in a colocated run, which does not replace producers "
-                            f"({_first_line(exc)}); resume with: streamrl launch --resume {self.run_dir.path}") from exc
-        self.producer_restarts += 1
-        returned, groups_closed = self._release_producer(pid)
-        old = self.producers[pid]
-        ray.kill(old)  # already gone; this only makes sure
-        self.actors.remove(old)
-        self.producers[pid] = self._create_producer(pid, restart=self.producer_restarts)
-        self.producer_runs[pid] = self.producers[pid].run.remote()
-        log.warning("producer %s died at step %s (%s); %s running groups go back, replaced by a new producer",
-                    pid, self.step, _first_line(exc), len(returned))
-        self.run_dir.append(EVENTS_FILE, {"event": "producer_replaced", "producer": pid, "step": self.step,
-                                          "prompts_returned": len(returned), "update_groups_closed": groups_closed,
-                                          "error": _first_line(exc), "at": time.time()})
-        if self._view is not None:
-            self._view.print(f"producer {pid} died ({_first_line(exc)}); {len(returned)} running groups go back "
-                             f"to the queue, a new producer takes its place")
-
-    def _release_producer(self, pid: int) -> tuple[list[int], int]:
-        """What a dead producer held: its running tickets (their prompts go back), its weights version,
-        and (weights by broadcast) its update groups in the trainer. The tickets, and the groups closed."""
-        returned = ray.get(self.queue.abandon_producer.remote(pid))
-        ray.get(self.weights.drop_holder.remote(pid))
-        closed = ray.get(self.trainer.close_update_groups.remote(update_group_prefix(self.name, pid))) \
-            if self.trainer_sends_weights else 0
-        return returned, closed
-
-    @property
-    def trainer_sends_weights(self) -> bool:
-        return (self.config.producers.engine, self.config.producers.sglang.weights) == ("sglang", "distributed")
 
     def _evaluate(self, started: float) -> dict[str, Any]:
         result = {"step": self.step, "elapsed_s": self._elapsed(started), **self._await(self.trainer.evaluate.remote())}
@@ -502,28 +332,11 @@ class Run:
 
     def stop_producers(self, timeout: float = 60.0) -> None:
         """Hold admission, let the running generations finish and commit, stop the producers."""
-        if not self.producers:
+        if self.producers is None or not self.producers.handles:
             return
         ray.get(self.queue.pause.remote(SHUTDOWN_HOLD))
         failpoints.hit("launch.stop_producers")  # held: an operator's pause or resume may land now
-        for producer in self.producers:
-            producer.stop.remote()
-        ray.wait(self.producer_runs, num_returns=len(self.producer_runs), timeout=timeout)
-        stopped = []
-        for pid, run in enumerate(self.producer_runs):
-            try:
-                ray.get(run, timeout=0)
-                stopped.append(self.producers[pid])
-            except ray.exceptions.ActorDiedError:  # died while stopping: its running groups go back
-                self._release_producer(pid)
-            except ray.exceptions.GetTimeoutError:  # still generating after `timeout`: cut short
-                ray.kill(self.producers[pid])
-                self._release_producer(pid)
-                self.run_dir.append(EVENTS_FILE, {"event": "producer_killed_at_stop", "producer": pid,
-                                                  "timeout_s": timeout, "at": time.time()})
-        self.producer_stats = ray.get([p.status.remote() for p in stopped])
-        self.weight_histories = ray.get([p.weight_history.remote() for p in stopped])
-        self.producer_runs = []  # ended on purpose: no longer watched by `_await` (the final evaluation)
+        self.producers.stop_all(timeout)
         # Released before the checkpoint, which keeps only the holds that outlive the run (the operator's).
         ray.get(self.queue.resume.remote(SHUTDOWN_HOLD))
 
@@ -540,14 +353,14 @@ class Run:
         final_eval = self._evaluate(self._started)
         self.checkpoint(self._started)
         summary = summarize(self.run_dir, self.config, stopped_by=self.stopped_by, final_eval=final_eval,
-                            producers=self.producer_stats, weight_histories=self.weight_histories,
+                            producers=self.producers.stats, weight_histories=self.producers.weight_histories,
                             queue=ray.get(self.queue.status.remote()))
-        summary["producer_restarts"] = self.producer_restarts
+        summary["producer_restarts"] = self.producers.restarts
         if self.trainer_sends_weights:
             summary["trainer_weight_broadcasts"] = ray.get(self.trainer.weight_broadcasts.remote())
-        self.run_dir.write_json("summary.json", summary)
+        self.run_dir.write_json(SUMMARY_FILE, summary)
         log.info("run stopped by %s at step %s; summary in %s", self.stopped_by, summary.get("steps"),
-                 self.run_dir.path / "summary.json")
+                 self.run_dir.path / SUMMARY_FILE)
         return summary
 
     def teardown(self) -> None:
@@ -557,9 +370,7 @@ class Run:
             self._wandb.finish()
             wandb.teardown()  # stop the wandb-core service this run started
             self._wandb = None
-        for actor in self.actors:
-            ray.kill(actor)
-        self.actors.clear()
+        self.actors.kill_all()
         if self.trainer_group is not None:
             ray.util.remove_placement_group(self.trainer_group)
             self.trainer_group = None
@@ -583,7 +394,7 @@ def prepare(config_path: str | None = None, overrides: list[str] | None = None, 
         if step >= config.run.steps:
             raise ConfigError(f"the run is already at step {step} and run.steps = {config.run.steps}; "
                               f"continue it with --set run.steps=N (N > {step})")
-        for name in (METRICS_FILE, GROUPS_FILE, EVAL_FILE):
+        for name in STEP_FILES:
             run_dir.truncate_after(name, step)
         run_dir.discard_checkpoints_after(step)  # else the resumed run would meet them at the same steps
         return config, run_dir, checkpoint

@@ -6,6 +6,7 @@
    metrics.jsonl      one line per trainer step
    groups.jsonl       the groups each step consumed (ids, prompts, producers): the audit trail
    eval.jsonl         held-out evaluations
+   events.jsonl       what happened to the run's actors (a producer replaced, a run failed)
    summary.json       written at the end
    model/initial/     the built-in model, when no model.path is given
    checkpoints/step_000200/{trainer/, queue/, meta.json, checksums.json}   and `checkpoints/latest` naming the newest
@@ -23,6 +24,10 @@ from streamrl.buffer.checkpoint import atomic_directory, remove_torn_directories
 from streamrl.config import RunConfig, dump_config, load_config
 
 CHECKSUMS = "checksums.json"  # sha256 of every other file of a checkpoint, written last
+# What a run appends to, a line per record (step, step, evaluation, event); a resume cuts the first three back.
+METRICS_FILE, GROUPS_FILE, EVAL_FILE, EVENTS_FILE = "metrics.jsonl", "groups.jsonl", "eval.jsonl", "events.jsonl"
+STEP_FILES = (METRICS_FILE, GROUPS_FILE, EVAL_FILE)
+SUMMARY_FILE = "summary.json"
 
 
 class RunDirError(RuntimeError):
@@ -65,7 +70,7 @@ class RunDir:
 
     def discard_unstarted(self) -> None:
         """Remove a run directory that never trained (no metrics, no checkpoint)."""
-        if (self.path / "metrics.jsonl").exists() or self.checkpoints.exists():
+        if (self.path / METRICS_FILE).exists() or self.checkpoints.exists():
             raise RunDirError(f"{str(self.path)!r} holds a run's results; it is not removed")
         shutil.rmtree(self.path)
 

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from streamrl.config import RunConfig
-from streamrl.runtime.rundir import RunDir
+from streamrl.runtime.rundir import EVAL_FILE, METRICS_FILE, RunDir
 
 
 def held_versions_differ(histories: list[list[tuple[float, int]]]) -> tuple[int, int] | tuple[None, None]:
@@ -40,8 +40,8 @@ def _fraction_mean(values: np.ndarray, first: bool) -> float | None:
 def summarize(run_dir: RunDir, config: RunConfig, *, stopped_by: str | None, final_eval: dict[str, Any],
               producers: list[dict[str, Any]], weight_histories: list[list[tuple[float, int]]],
               queue: dict[str, Any]) -> dict[str, Any]:
-    metrics = run_dir.read("metrics.jsonl")
-    evals = run_dir.read("eval.jsonl")
+    metrics = run_dir.read(METRICS_FILE)
+    evals = run_dir.read(EVAL_FILE)
     rewards = np.array([m["reward_mean"] for m in metrics])
     first_reward, last_reward = _fraction_mean(rewards, True), _fraction_mean(rewards, False)
     first_eval = evals[0] if evals else {}

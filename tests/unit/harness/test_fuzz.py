@@ -218,7 +218,7 @@ def test_a_file_task_tokenizes_every_prompt_when_the_context_is_known(tmp_path):
 
 
 def test_the_launch_check_refuses_a_prompt_longer_than_the_models_context(tmp_path, tiny_model_dir):
-    from streamrl.runtime.launch import check_model_and_task
+    from streamrl.runtime.preflight import check_model_and_task
 
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "12>"}, {"prompt": "1" * 40 + ">"}])
     config = load_config(overrides=["task.kind=file", f"task.prompts={json.dumps(str(path))}",

@@ -1,0 +1,156 @@
+"""Pre-flight: every check a run passes before an actor exists, and the plan the run is built from.
+
+```
+ prepare (before Ray, before the run directory is touched): resolve_paths, check_model_and_task,
+                                                           check_resume_overrides on --resume
+ preflight(config, cluster, resume_from) ─► Plan            the checks that need the cluster, and the
+                                                           numbers every actor is created with
+```
+A refusal is a ConfigError that names the field; nothing has been created when it is raised, so the same
+command can be fixed and run again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from streamrl.buffer.config import QueueConfig
+from streamrl.config import ConfigError, RunConfig
+
+# Fields a resumed run may not change: they define the data already generated and the model trained.
+FROZEN_ON_RESUME = ("model", "task", "queue.group_size", "queue.groups_per_step", "trainer.backend",
+                    "trainer.tensor_parallel", "trainer.pipeline_parallel")  # the optimizer state is saved per shard
+PRODUCER_CONCURRENCY = 5  # a producer's run; the queue's take_batch; the trainer's offers; status; stop
+READY_TIMEOUT_S = 300.0  # every actor's constructor (sglang producers add their servers' start-up)
+
+
+def _section(config: RunConfig, dotted: str) -> Any:
+    value: Any = config
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def check_resume_overrides(saved: RunConfig, wanted: RunConfig) -> None:
+    for field in FROZEN_ON_RESUME:
+        if _section(saved, field) != _section(wanted, field):
+            raise ConfigError(f"{field} cannot change when resuming (the run was started with "
+                              f"{_section(saved, field)!r})")
+
+
+def model_facts(config: RunConfig) -> dict[str, Any]:
+    """The model's `config.json` (model.path), or what the built-in model will be built with."""
+    if config.task.kind == "sim":
+        return {"vocab_size": config.sim.vocab_size}  # no model: the simulator's tokens
+    if config.model.path is None:
+        from streamrl.tasks.reverse import CharVocab
+
+        return {"vocab_size": len(CharVocab()), "max_position_embeddings": config.model.max_positions,
+                "num_hidden_layers": config.model.num_layers}
+    model_dir = Path(config.model.path).expanduser()
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"model.path {str(model_dir)!r} is not a Hugging Face model directory (no config.json)")
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def resolve_paths(config: RunConfig) -> RunConfig:
+    """Relative paths are relative to the launch directory; actors run elsewhere, and a resumed run
+    may start from another directory, so the resolved config holds absolute ones."""
+    def absolute(value: str | None) -> str | None:
+        return None if value is None else str(Path(value).expanduser().resolve())
+
+    return config.model_copy(update={
+        "run": config.run.model_copy(update={"output_dir": absolute(config.run.output_dir)}),
+        "model": config.model.model_copy(update={"path": absolute(config.model.path)}),
+        "task": config.task.model_copy(update={"prompts": absolute(config.task.prompts),
+                                               "eval_prompts": absolute(config.task.eval_prompts)}),
+    })
+
+
+def check_model_and_task(config: RunConfig) -> None:
+    """Cross-checks between the model's files and the task, before anything is created."""
+    facts = model_facts(config)
+    positions = facts.get("max_position_embeddings")
+    layers, stages = facts.get("num_hidden_layers"), config.trainer.pipeline_parallel
+    if layers is not None and layers % stages:
+        raise ConfigError(f"trainer.pipeline_parallel={stages} does not divide the model's {layers} layers "
+                          "(num_hidden_layers): every stage holds the same number of layers")
+    if config.task.kind == "file":
+        from transformers import AutoTokenizer
+
+        from streamrl.tasks import make_task
+
+        try:  # reads and tokenizes the prompt files, imports the reward function: errors name the file or function
+            make_task(config.task, AutoTokenizer.from_pretrained(config.model.path), search_path=os.getcwd(),
+                      max_prompt_tokens=None if positions is None else positions - 1)  # room for one response token
+        except (ValueError, FileNotFoundError) as exc:
+            raise ConfigError(f"task: {exc}") from exc
+    kind = config.task.kind
+    if kind in ("reverse", "long_tail") and config.model.path is not None:
+        from transformers import AutoTokenizer
+
+        from streamrl.tasks.reverse import CharVocab
+
+        ids = AutoTokenizer.from_pretrained(Path(config.model.path).expanduser()).get_vocab()
+        expected = {tok: i for i, tok in enumerate(CharVocab().tokens)}
+        if any(ids.get(tok) != i for tok, i in expected.items()):
+            raise ConfigError(f"task.kind = {kind!r} needs the character tokenizer streamrl builds "
+                              f"(model.path {config.model.path!r} maps its characters to other ids)")
+    if kind in ("reverse", "long_tail") and positions is not None:
+        field, digits = ("digits", config.task.digits) if kind == "reverse" else ("max_digits", config.task.max_digits)
+        longest = digits + 2 + (config.sampling.max_new_tokens or digits + 2)  # <bos> digits > | answer <eos>
+        if longest > positions:
+            raise ConfigError(f"task.{field}={digits}: sequences of up to {longest} tokens exceed the "
+                              f"model's max_position_embeddings={positions}")
+
+
+def check_resources(config: RunConfig, cluster: Mapping[str, float]) -> None:
+    """Refuse a run the cluster (`ray.cluster_resources()`) cannot place: Ray would wait for it forever."""
+    ranks = config.trainer.ranks
+    for kind, field in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
+        wanted = ranks * getattr(config.trainer, field) + config.producers.count * getattr(config.producers, field)
+        have = cluster.get(kind, 0)
+        if wanted > have:
+            raise ConfigError(f"the run reserves {wanted:g} {kind}s (trainer.tensor_parallel × data_parallel "
+                              f"× pipeline_parallel × trainer.{field} + producers.count × producers.{field}) but "
+                              f"the Ray cluster has {have:g}")
+
+
+def trainer_sends_weights(config: RunConfig) -> bool:
+    """The trainer's first rank broadcasts each version to the servers ("distributed" sglang weights)."""
+    return (config.producers.engine, config.producers.sglang.weights) == ("sglang", "distributed")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the run's actors are created with, decided before the first of them exists."""
+
+    queue: QueueConfig  # the run's queue config with the model's vocabulary (token ids outside it are refused)
+    trainer_ranks: int  # TP × DP × PP rank actors (one: no placement group)
+    trainer_concurrency: int  # a step, a cancel, producers subscribing, and each producer's broadcasts
+    trainer_sends_weights: bool
+    producer_concurrency: int
+    ready_timeout_s: float
+    queue_restore: str | None  # --resume: the checkpoint's queue, trainer state and trained model
+    trainer_resume: str | None
+    trainer_model: str | None  # None: the run's initial model
+
+
+def preflight(config: RunConfig, cluster: Mapping[str, float], resume_from: Path | None = None) -> Plan:
+    """The checks that need the cluster, and the plan. `cluster`: `ray.cluster_resources()`."""
+    check_resources(config, cluster)
+    sends = trainer_sends_weights(config)
+    # one server at a time per producer: a broadcast, and the open or close that can overlap a failed one
+    broadcasts = 3 * config.producers.count if sends else 0
+    startup = config.producers.sglang.startup_timeout_s if config.producers.engine == "sglang" else 0
+    return Plan(queue=config.queue.model_copy(update={"vocab_size": int(model_facts(config)["vocab_size"])}),
+                trainer_ranks=config.trainer.ranks, trainer_concurrency=3 + broadcasts, trainer_sends_weights=sends,
+                producer_concurrency=PRODUCER_CONCURRENCY, ready_timeout_s=READY_TIMEOUT_S + startup,
+                queue_restore=str(resume_from / "queue") if resume_from else None,
+                trainer_resume=str(resume_from / "trainer") if resume_from else None,
+                trainer_model=str(resume_from / "trainer" / "model") if resume_from else None)

@@ -1,0 +1,50 @@
+"""Pre-flight without Ray: the cluster is the dict `ray.cluster_resources()` would return."""
+
+from pathlib import Path
+
+import pytest
+
+from streamrl.config import ConfigError, load_config
+from streamrl.runtime.preflight import check_resume_overrides, preflight
+from streamrl.runtime.supervision import producer_seed
+
+
+def config(*overrides):
+    return load_config(overrides=list(overrides))
+
+
+def test_a_run_the_cluster_cannot_place_is_refused_with_the_arithmetic():
+    with pytest.raises(ConfigError, match=r"reserves 9 CPUs .* the Ray cluster has 2"):
+        preflight(config("producers.num_cpus=4"), {"CPU": 2.0})
+    with pytest.raises(ConfigError, match=r"reserves 1 GPUs .* has 0"):
+        preflight(config("trainer.num_gpus=1"), {"CPU": 8.0})
+
+
+def test_the_plan_carries_the_models_vocabulary_and_the_trainers_concurrency():
+    plan = preflight(config(), {"CPU": 2.0})
+    assert plan.queue.vocab_size is not None and plan.queue.group_size == config().queue.group_size
+    assert plan.trainer_ranks == 1 and not plan.trainer_sends_weights and plan.trainer_concurrency == 3
+    assert plan.queue_restore is plan.trainer_resume is plan.trainer_model is None
+    distributed = config("producers.engine=\"sglang\"", "producers.sglang.weights=\"distributed\"",
+                         "producers.count=2")
+    plan = preflight(distributed, {"CPU": 16.0, "GPU": 8.0})
+    assert plan.trainer_sends_weights and plan.trainer_concurrency == 3 + 3 * 2
+    assert plan.ready_timeout_s == 300 + distributed.producers.sglang.startup_timeout_s
+
+
+def test_a_resumed_plan_starts_from_the_checkpoint(tmp_path: Path):
+    plan = preflight(config(), {"CPU": 2.0}, resume_from=tmp_path / "step_000004")
+    assert plan.queue_restore == str(tmp_path / "step_000004" / "queue")
+    assert plan.trainer_model == str(tmp_path / "step_000004" / "trainer" / "model")
+
+
+def test_a_resume_may_not_change_what_defines_the_data_or_the_model():
+    with pytest.raises(ConfigError, match="queue.group_size cannot change"):
+        check_resume_overrides(config(), config("queue.group_size=4"))
+    check_resume_overrides(config(), config("run.steps=5000"))  # how long it runs may change
+
+
+def test_a_replacement_producer_draws_other_random_numbers_than_the_one_it_replaces():
+    seeds = {producer_seed(0, pid, version, restart) for pid in range(3) for version in (0, 5)
+             for restart in range(3)}
+    assert len(seeds) == 18 and producer_seed(0, 1, 5, 2) == producer_seed(0, 1, 5, 2)
