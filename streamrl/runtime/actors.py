@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -148,12 +149,37 @@ class ProducerActor:
         self.producer.engine.resume()
 
 
+@dataclass(frozen=True)
+class GroupAudit:
+    """The groups one step consumed, in the order trained: `groups.jsonl`'s audit trail."""
+
+    group_ids: list[str]
+    prompt_ids: list[int]
+    producer_ids: list[int]
+    staleness: list[int]  # each group's: the trainer's version minus the group's oldest token's
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one trainer step returns to the driver (a Ray call's result)."""
+
+    version: int  # the trainer's version after the step (= the step number)
+    trained_tokens: int  # the tokens of the rows this step trained on (prompts and responses)
+    reward_mean: float
+    staleness_mean: float
+    staleness_max: int
+    trainer_wait_s: float  # waiting for the queue: what generation did not hide
+    audit: GroupAudit
+    metrics: dict[str, float]  # the learner's (loss, clip and mask fractions, ...) and the step's phases
+
+
 class Learner(Protocol):
     """What the trainer shell steps: the torch trainer, or the simulated one (`streamrl.trainer.sim`)."""
 
     version: int
 
-    def train(self, table: pa.Table) -> dict[str, Any]: ...
+    def train(self, table: pa.Table) -> dict[str, Any]:
+        """One step on `table`; its metrics, `trained_tokens` among them (the step's `StepResult` takes it)."""
 
     def weights(self) -> dict[str, np.ndarray]: ...
 
@@ -191,7 +217,7 @@ class TrainerShell:
         self.publisher.publish(self.trainer.version, self.trainer.weights())
         return self.trainer.version
 
-    def step(self) -> dict[str, Any] | None:
+    def step(self) -> StepResult | None:
         """Take B groups within the staleness budget, train on them, publish the new version.
         None when `cancel_step` was called before any group was taken."""
         started = time.perf_counter()
@@ -222,23 +248,24 @@ class TrainerShell:
             self.publish()
             published = time.perf_counter()
         rewards = table.column("reward").to_numpy()
-        return {
-            **metrics,
-            "version": self.trainer.version,
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
-            "staleness_mean": float(np.mean(groups.staleness)),
-            "staleness_max": int(max(groups.staleness)),
-            "staleness": list(groups.staleness),
-            "trainer_wait_s": waited,
-            "fetch_s": fetched - started - waited,  # the groups' rows out of the object store
-            "publish_s": published - trained,  # the queue's version, then the weights put and announced
-            "step_s": time.perf_counter() - started,
-            "ended_at": time.time(),
-            "group_ids": [g.group_id for g in groups.groups],
-            "prompt_ids": [g.prompt_id for g in groups.groups],
-            "producer_ids": [g.producer_id for g in groups.groups],
-        }
+        return StepResult(
+            version=self.trainer.version,
+            trained_tokens=int(metrics.pop("trained_tokens")),
+            reward_mean=float(rewards.mean()),
+            staleness_mean=float(np.mean(groups.staleness)),
+            staleness_max=int(max(groups.staleness)),
+            trainer_wait_s=waited,
+            audit=GroupAudit(group_ids=[g.group_id for g in groups.groups],
+                             prompt_ids=[g.prompt_id for g in groups.groups],
+                             producer_ids=[g.producer_id for g in groups.groups], staleness=list(groups.staleness)),
+            metrics={
+                **metrics,
+                "reward_std": float(rewards.std()),
+                "fetch_s": fetched - started - waited,  # the groups' rows out of the object store
+                "publish_s": published - trained,  # the queue's version, then the weights put and announced
+                "step_s": time.perf_counter() - started,
+                "ended_at": time.time(),
+            })
 
     @contextmanager
     def _gpu_turn(self) -> Iterator[None]:

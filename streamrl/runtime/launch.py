@@ -16,6 +16,7 @@ consistent state (the trainer is idle), which is what makes its checkpoints exac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ import ray
 from streamrl import failpoints, logs
 from streamrl.buffer.actor import NAMESPACE, create_queue_actor
 from streamrl.config import ConfigError, RunConfig
-from streamrl.runtime.actors import TrainerActor, create_actor
+from streamrl.runtime.actors import StepResult, TrainerActor, create_actor
 from streamrl.runtime.connect import RayConnectError, join_cluster, start_local
 from streamrl.runtime.interrupts import interrupts_deferred
 from streamrl.runtime.preflight import Plan, check_model_and_task, check_resume_overrides, preflight, resolve_paths
@@ -245,7 +246,7 @@ class Run:
             result = self._await(self._pending)
             if result is None:
                 raise RuntimeError("the trainer's step was cancelled while the run was training")
-            now, step = time.perf_counter(), result["version"]
+            now, step = time.perf_counter(), result.version
             eval_due = cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps
             checkpoint_due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps
             with interrupts_deferred():  # a Ctrl-C lands before the next step is asked for, or after it is pending
@@ -275,26 +276,24 @@ class Run:
     def _queue_status(self) -> dict[str, Any]:
         return ray.get(self.queue.status.remote())
 
-    def _record(self, result: dict[str, Any], *, step_wall: float, started: float) -> None:
+    def _record(self, result: StepResult, *, step_wall: float, started: float) -> None:
         """Record a finished step: its metrics, its groups' audit and the step counter, all or none
         (a Ctrl-C that lands between them would leave a checkpoint labelled with a step whose metrics
         are missing); `_pending` is cleared with them, so `finish` records an interrupted step once."""
         queue = self._queue_status()
-        result = dict(result)
-        audit = {k: result.pop(k) for k in ("group_ids", "prompt_ids", "producer_ids", "staleness")}
-        step = result.pop("version")
-        trained_tokens = self.trained_tokens + result["trained_tokens"]
+        step = result.version
+        trained_tokens = self.trained_tokens + result.trained_tokens
         metrics = {
             "step": step,
             "version": step,
-            "reward_mean": result.pop("reward_mean"),
-            "staleness_mean": result.pop("staleness_mean"),
-            "staleness_max": result.pop("staleness_max"),
-            "trained_tokens": trained_tokens,
-            "tokens_per_s": result["trained_tokens"] / max(step_wall, 1e-9),
-            "trainer_wait_s": result.pop("trainer_wait_s"),
+            "reward_mean": result.reward_mean,
+            "staleness_mean": result.staleness_mean,
+            "staleness_max": result.staleness_max,
+            "trained_tokens": result.trained_tokens,  # this step's; the run's total is in the checkpoint
+            "tokens_per_s": result.trained_tokens / max(step_wall, 1e-9),
+            "trainer_wait_s": result.trainer_wait_s,
             "elapsed_s": self._elapsed(started),
-            **result,
+            **result.metrics,
             "queued_groups": queue["queued_groups"],
             "running_groups": queue["running"],
             "admitted": queue["admitted"],
@@ -302,7 +301,8 @@ class Run:
         }
         with interrupts_deferred():
             self.run_dir.append(METRICS_FILE, metrics)
-            self.run_dir.append(GROUPS_FILE, {"step": step, "staleness_max": metrics["staleness_max"], **audit})
+            self.run_dir.append(GROUPS_FILE, {"step": step, "staleness_max": metrics["staleness_max"],
+                                              **dataclasses.asdict(result.audit)})
             self.step, self.trained_tokens, self.last_metrics = step, trained_tokens, metrics
             self._pending = None
         if self._wandb is not None:

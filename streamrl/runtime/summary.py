@@ -72,7 +72,7 @@ def summarize(run_dir: RunDir, config: RunConfig, *, stopped_by: str | None, fin
             and accuracy_first <= 0.2 and accuracy_last >= 0.8,
             "reward_gain_ge_0.3": gain is not None and gain >= 0.3,
         },
-        "trained_tokens": metrics[-1]["trained_tokens"] if metrics else 0,
+        "trained_tokens": sum(m["trained_tokens"] for m in metrics),  # each line holds its step's
         "tokens_per_s_mean": float(np.mean([m["tokens_per_s"] for m in metrics if np.isfinite(m["tokens_per_s"])]))
         if metrics else 0.0,
         "trainer_wait_s_total": float(sum(m["trainer_wait_s"] for m in metrics)),

@@ -12,6 +12,7 @@ import pytest
 from harness.chaos.faults import tiny_settings as tiny
 from streamrl import failpoints
 from streamrl.config import RunConfig
+from streamrl.runtime.actors import GroupAudit, StepResult
 from streamrl.runtime.interrupts import interrupts_deferred
 from streamrl.runtime.launch import Run, prepare
 from streamrl.runtime.rundir import RunDir, RunDirError
@@ -165,9 +166,9 @@ def test_a_ctrl_c_while_a_step_is_recorded_leaves_its_metrics_audit_and_counter_
         real_append(name, record)
 
     monkeypatch.setattr(run_dir, "append", interrupted_append)
-    result = {"version": 1, "trained_tokens": 40, "reward_mean": 0.5, "staleness_mean": 0.0, "staleness_max": 0,
-              "trainer_wait_s": 0.1, "loss": 0.2, "group_ids": ["g"], "prompt_ids": [3], "producer_ids": [0],
-              "staleness": [0]}
+    result = StepResult(version=1, trained_tokens=40, reward_mean=0.5, staleness_mean=0.0, staleness_max=0,
+                        trainer_wait_s=0.1, metrics={"loss": 0.2},
+                        audit=GroupAudit(group_ids=["g"], prompt_ids=[3], producer_ids=[0], staleness=[0]))
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -177,7 +178,7 @@ def test_a_ctrl_c_while_a_step_is_recorded_leaves_its_metrics_audit_and_counter_
     metrics = [json.loads(line) for line in (run_dir.path / "metrics.jsonl").read_text().splitlines()]
     audit = [json.loads(line) for line in (run_dir.path / "groups.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [a["step"] for a in audit] == [run.step] == [1]
-    assert run.trained_tokens == 40 and run._pending is None and result["version"] == 1  # the result is untouched
+    assert run.trained_tokens == 40 and run._pending is None and result.version == 1  # the result is untouched
 
 
 def test_a_resume_removes_checkpoints_of_later_steps_that_latest_never_pointed_to(tmp_path, monkeypatch):
