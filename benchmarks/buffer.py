@@ -24,7 +24,7 @@ from harness.benchreport import BASELINES, Target, finish
 from harness.synthetic import synthetic_batch
 from streamrl.buffer import QueueConfig, ReplayQueue, assemble
 from streamrl.buffer.actor import create_queue_actor, fetch_table
-from streamrl.runtime.actors import RemoteQueue
+from streamrl.runtime.clients import RemoteQueue
 from streamrl.runtime.connect import start_local
 
 SAMPLES, GROUP = 4096, 8

@@ -28,9 +28,8 @@ from rich.console import Console
 from rich.table import Table
 
 from harness.benchreport import BASELINES, Target, finish
-from streamrl.runtime.actors import create_actor
+from streamrl.runtime.clients import OFFER_GRACE_S, create_actor, remote_fetch
 from streamrl.runtime.connect import start_local
-from streamrl.runtime.engines import OFFER_GRACE_S, remote_fetch
 from streamrl.sim.workload import SimWorkload
 from streamrl.weights.actor import WeightPublisher, WeightsActor
 from streamrl.weights.receiver import WeightReceiver

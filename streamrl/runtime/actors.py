@@ -6,8 +6,8 @@
                         └──publish(v, arrays)──► WeightsActor ──acquire (long poll)┘
 ```
 Each actor holds a plain class that carries the logic (and is tested without Ray); these shells
-only connect them. Every actor is named `RUN/ROLE` in namespace `streamrl`, so the CLI and a
-restarted driver can find them. Weights cross the object store as numpy arrays.
+only connect them: what they hold is built by `runtime.build`, what they call goes through
+`runtime.clients`. Weights cross the object store as numpy arrays.
 """
 
 from __future__ import annotations
@@ -27,46 +27,15 @@ import pyarrow as pa
 import ray
 
 from streamrl import failpoints, logs
-from streamrl.buffer.actor import NAMESPACE, Outbox, fetch_table, get_queue_actor
-from streamrl.buffer.queue import Admission, QueueClosed
+from streamrl.buffer.actor import NAMESPACE, fetch_table, get_queue_actor
+from streamrl.buffer.queue import QueueClosed
 from streamrl.config import RunConfig
 from streamrl.engine.base import accept_offer
+from streamrl.runtime.build import make_engine, make_learner
+from streamrl.runtime.clients import RemoteQueue, actor_name
 from streamrl.weights.actor import WeightPublisher
 
 log = logging.getLogger(__name__)
-
-
-def actor_name(run_name: str, role: str) -> str:
-    return f"{run_name}/{role}"
-
-
-class RemoteQueue:
-    """`streamrl.rollout.QueueClient` over the queue actor, for one producer actor: it registers for a
-    lease that every admission carries, so that once the driver declares this producer dead (and gives
-    its tickets back), an admission it had already sent cannot issue new ones. A commit leaves the batch
-    in the `outbox` and the queue fetches it from this actor (`take_batch`): one copy, owned by the queue."""
-
-    def __init__(self, handle: ray.actor.ActorHandle, producer_id: int):
-        self.handle, self.producer_id = handle, producer_id
-        self.lease = ray.get(handle.register_producer.remote(producer_id))
-        self.outbox = Outbox()
-        self._me = ray.get_runtime_context().current_actor  # the producer actor this client lives in
-
-    def admit(self, producer_id: int, max_groups: int, *, weights_version: int | None = None,
-              timeout: float = 0.0) -> Admission:
-        if producer_id != self.producer_id:
-            raise ValueError(f"this client admits for producer {self.producer_id}, not {producer_id}")
-        return ray.get(self.handle.admit.remote(producer_id, max_groups, weights_version, timeout, self.lease))
-
-    def commit(self, batch: pa.RecordBatch) -> list[int]:
-        key = self.outbox.put(batch)
-        try:
-            return ray.get(self.handle.commit_from.remote(self._me, key))
-        finally:
-            self.outbox.drop(key)  # taken by the queue, or refused: either way not ours to keep
-
-    def abandon(self, ticket_ids: list[int]) -> None:
-        ray.get(self.handle.abandon.remote(ticket_ids))
 
 
 def _reward_failures(task: Any) -> dict[str, Any]:
@@ -76,12 +45,11 @@ def _reward_failures(task: Any) -> dict[str, Any]:
 
 
 class ProducerActor:
-    """A rollout producer over the engine `producers.engine` names (`streamrl.runtime.engines`)."""
+    """A rollout producer over the engine `producers.engine` names (`streamrl.runtime.build`)."""
 
     def __init__(self, run_name: str, producer_id: int, config: dict[str, Any], model_dir: str, seed: int,
                  search_path: str | None = None, work_dir: str | None = None):
         from streamrl.rollout.producer import RolloutProducer
-        from streamrl.runtime.engines import make_engine
 
         logs.setup_actor_logging()
         cfg = RunConfig.model_validate(config)
@@ -306,7 +274,7 @@ class TrainerActor(TrainerShell):
 
             quiet_transformers()
         torch.set_num_threads(cfg.trainer.threads)
-        trainer = _make_learner(run_name, cfg, config, model_dir, resume_dir, rank_group,
+        trainer = make_learner(run_name, cfg, config, model_dir, resume_dir, rank_group,
                                 reference_dir=reference_dir or model_dir)
         if resume_dir is not None:
             trainer.load_optimizer(resume_dir)
@@ -364,57 +332,3 @@ class TrainerActor(TrainerShell):
     def weight_broadcasts(self) -> dict[str, int]:
         """Groups joined, buckets and bytes sent as rank 0 so far ({} when none was opened)."""
         return {} if self._group_sender is None else dict(self._group_sender.stats)
-
-
-def _make_learner(run_name: str, cfg: RunConfig, config: dict[str, Any], model_dir: str, resume_dir: str | None,
-                  rank_group: Any = None, *, reference_dir: str):
-    """The torch trainer, the megatron trainer, or a megatron rank group (tensor parallel × data
-    parallel > 1): this process is rank 0, the other ranks are actors it owns, each in its bundle of
-    `rank_group` (the placement group that keeps them on this node) with the resources the trainer
-    reserves each."""
-    common = dict(trainer=cfg.trainer, loss=cfg.loss, group_size=cfg.queue.group_size,
-                  temperature=cfg.sampling.temperature, seed=cfg.run.seed, lr_horizon=cfg.optimizer_steps,
-                  reference_dir=reference_dir)
-    if cfg.trainer.backend == "torch":
-        from streamrl.trainer.torch_trainer import TorchTrainer
-
-        return TorchTrainer(model_dir, dtype=cfg.model.dtype, attention=cfg.model.attention, **common)
-    if cfg.trainer.backend == "sim":
-        from streamrl.trainer.sim import SimLearner
-
-        return SimLearner(cfg.sim_workload())
-    from streamrl.net import free_port
-    from streamrl.trainer.megatron_trainer import MegatronTrainer
-    from streamrl.trainer.ranks import MegatronRank, RankGroup
-
-    world = cfg.trainer.ranks
-    if world == 1:
-        return MegatronTrainer(model_dir, **common)
-    address, port = ray.util.get_node_ip_address(), free_port()
-    remotes = [create_actor(MegatronRank, run_name, f"trainer-rank{rank}", config, model_dir, resume_dir, rank,
-                            world, address, port, reference_dir, num_cpus=cfg.trainer.num_cpus,
-                            num_gpus=cfg.trainer.num_gpus,
-                            placement=(rank_group, rank))
-               for rank in range(1, world)]  # they wait in init_process_group until rank 0 joins
-    local = MegatronTrainer(model_dir, rank=0, world_size=world, master_addr=address, master_port=port, **common)
-    ray.get([rank.ready.remote() for rank in remotes])
-    return RankGroup(local, remotes)
-
-
-def create_actor(cls: type, run_name: str, role: str, *args, num_cpus: float = 0, num_gpus: float = 0,
-                 max_concurrency: int = 1, placement: tuple[Any, int] | None = None,
-                 **kwargs) -> ray.actor.ActorHandle:
-    """A named actor of the run (fails if one with that name is alive: another run has the name);
-    `placement`: (placement group, bundle index) to run it in, or None."""
-    remote_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=max_concurrency)(cls)
-    options: dict[str, Any] = {"name": actor_name(run_name, role), "namespace": NAMESPACE,
-                               "lifetime": "non_detached"}
-    env = {**failpoints.actor_env(), **logs.actor_env(role)}
-    if env:
-        options["runtime_env"] = {"env_vars": env}
-    if placement is not None and placement[0] is not None:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-            placement_group=placement[0], placement_group_bundle_index=placement[1])
-    return remote_cls.options(**options).remote(*args, **kwargs)

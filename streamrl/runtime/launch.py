@@ -31,7 +31,8 @@ import ray
 from streamrl import failpoints, logs
 from streamrl.buffer.actor import NAMESPACE, create_queue_actor
 from streamrl.config import ConfigError, RunConfig
-from streamrl.runtime.actors import StepResult, TrainerActor, create_actor
+from streamrl.runtime.actors import StepResult, TrainerActor
+from streamrl.runtime.clients import create_actor
 from streamrl.runtime.connect import RayConnectError, join_cluster, start_local
 from streamrl.runtime.interrupts import interrupts_deferred
 from streamrl.runtime.preflight import Plan, check_model_and_task, check_resume_overrides, preflight, resolve_paths

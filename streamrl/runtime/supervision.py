@@ -24,8 +24,8 @@ from typing import Any
 import ray
 
 from streamrl.config import RunConfig
-from streamrl.runtime.actors import ProducerActor, create_actor
-from streamrl.runtime.engines import update_group_prefix
+from streamrl.runtime.actors import ProducerActor
+from streamrl.runtime.clients import create_actor, update_group_prefix
 from streamrl.runtime.preflight import Plan
 from streamrl.runtime.rundir import EVENTS_FILE, RunDir
 

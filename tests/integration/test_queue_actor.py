@@ -141,7 +141,7 @@ def test_a_batch_committed_through_the_producers_outbox_survives_its_producer(ra
     class OutboxProducer:
         def __init__(self, run_name):
             from streamrl.buffer.actor import get_queue_actor
-            from streamrl.runtime.actors import RemoteQueue
+            from streamrl.runtime.clients import RemoteQueue
 
             self.client = RemoteQueue(get_queue_actor(run_name), 3)
 

@@ -132,7 +132,7 @@ def test_the_trainer_offers_each_version_to_subscribed_producers_and_forgets_dea
     long-poll it); a producer found dead is unsubscribed, and the registry learns what a producer has."""
     import ray
 
-    from streamrl.runtime.actors import create_actor
+    from streamrl.runtime.clients import create_actor
     from streamrl.weights.actor import WeightPublisher, WeightsActor
 
     @ray.remote(num_cpus=0)

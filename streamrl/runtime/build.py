@@ -1,12 +1,17 @@
-"""The one factory that builds a producer's engine and task from the run config (`producers.engine`).
+"""The one factory module: what each actor runs, from the run config.
 
 ```
- torch   the policy loaded in this process, continuous batching (TorchEngine), weights by WeightReceiver
- sim     the calibrated timing model (SimEngine), real weights of `sim.weights_mb` by WeightReceiver
- sglang  the producer's own sglang servers (see `streamrl.engine.sglang`)
+ make_engine   producers.engine   torch   the policy in the producer's process, continuous batching (TorchEngine)
+                                  sim     the calibrated timing model (SimEngine), real weights of `sim.weights_mb`
+                                  sglang  the producer's own sglang servers (`runtime.sglang_build`)
+ make_learner  trainer.backend    torch   TorchTrainer in the trainer actor's process
+                                  sim     SimLearner (the timing model's trainer)
+                                  megatron  MegatronTrainer; TP × DP × PP > 1: a RankGroup, this process rank 0
+                                            and the other ranks actors it owns
 ```
-Weights reach every engine from the run's weights actor (`remote_fetch`); this is the only place that
-knows which engine a producer runs.
+Weights reach every engine from the run's weights actor (`remote_fetch`): torch and sim through a
+`WeightReceiver`, sglang through the weight path `producers.sglang.weights` names. This is the only
+place that knows which engine a producer runs or which learner the trainer steps.
 """
 
 from __future__ import annotations
@@ -19,53 +24,16 @@ import ray
 from streamrl.config import RunConfig
 from streamrl.engine.base import Engine
 from streamrl.engine.local_weights import LocalWeights
+from streamrl.runtime.clients import (
+    OFFER_GRACE_S,
+    RemoteSender,
+    actor_name,
+    create_actor,
+    remote_fetch,
+    update_group_prefix,
+)
 from streamrl.tasks import Task
 from streamrl.weights.receiver import WeightReceiver
-
-OFFER_GRACE_S = 0.5  # a version the trainer's offer has not brought after this long is fetched by the long poll
-
-
-def remote_fetch(weights: ray.actor.ActorHandle, holder: int, *, by_reference: bool = False,
-                 grace_s: float = 0.0):
-    """Newer weights from the weights actor, held by `holder`: their arrays (read-only views of the
-    object store), or with `by_reference` `[object reference]` (`streamrl.weights.arrays.resolve`).
-    `grace_s`: the holder is offered versions directly; the long poll fetches only those an offer missed."""
-    def fetch(have: int | None, timeout: float) -> tuple[int, Any] | None:
-        got = ray.get(weights.acquire.remote(holder, have, timeout, grace_s))
-        if got is None:
-            return None
-        version, refs = got
-        return version, refs if by_reference else ray.get(refs[0])
-    return fetch
-
-
-def update_group_prefix(run_name: str, producer_id: int) -> str:
-    """The names of producer `producer_id`'s update groups start with this (a replacement's too)."""
-    return f"streamrl-{run_name}-p{producer_id}-"
-
-
-class RemoteSender:
-    """The trainer actor as rank 0 of the sglang update groups (`streamrl.weights.broadcast.Sender`):
-    the weights go from the trainer's GPU straight to the servers."""
-
-    def __init__(self, trainer: ray.actor.ActorHandle):
-        self.trainer = trainer
-
-    def open_group(self, name: str, world: int, *, server: tuple[str, int], node: str | None,
-                   timeout_s: float) -> tuple[str, int, str]:
-        return tuple(ray.get(self.trainer.open_update_group.remote(name, world, server, node, timeout_s)))
-
-    def joined(self, name: str, timeout_s: float) -> None:
-        ray.get(self.trainer.join_update_group.remote(name, timeout_s))
-
-    def manifest(self, weights: Any) -> dict[str, Any]:
-        return ray.get(self.trainer.weights_manifest.remote(weights))  # the trainer reads its own put
-
-    def broadcast(self, name: str, weights: Any, names: list[str], timeout_s: float) -> None:
-        ray.get(self.trainer.broadcast_weights.remote(name, weights, names, timeout_s))  # weights: [ref]
-
-    def close_group(self, name: str) -> None:
-        ray.get(self.trainer.close_update_group.remote(name), timeout=60)
 
 
 def make_engine(cfg: RunConfig, *, run_name: str, producer_id: int, model_dir: str, seed: int,
@@ -82,7 +50,7 @@ def make_engine(cfg: RunConfig, *, run_name: str, producer_id: int, model_dir: s
         from streamrl.buffer.actor import NAMESPACE
         from streamrl.runtime.sglang_build import sglang_engine
 
-        sender = RemoteSender(ray.get_actor(f"{run_name}/trainer", namespace=NAMESPACE)) \
+        sender = RemoteSender(ray.get_actor(actor_name(run_name, "trainer"), namespace=NAMESPACE)) \
             if cfg.producers.sglang.weights == "distributed" else None
         return sglang_engine(cfg, producer_id=producer_id, model_dir=model_dir, seed=seed,
                              fetch=remote_fetch(weights, producer_id, by_reference=True), search_path=search_path,
@@ -127,3 +95,38 @@ def _sim_engine(cfg: RunConfig, producer_id: int, seed: int, weights: ray.actor.
     work = cfg.sim_workload()
     model = weights_module(work)
     return SimEngine(work, LocalWeights(model, _receiver(cfg, producer_id, weights, model)), seed=seed), SimTask(work)
+
+
+def make_learner(run_name: str, cfg: RunConfig, config: dict[str, Any], model_dir: str, resume_dir: str | None,
+                  rank_group: Any = None, *, reference_dir: str):
+    """The torch trainer, the megatron trainer, or a megatron rank group (tensor parallel × data
+    parallel > 1): this process is rank 0, the other ranks are actors it owns, each in its bundle of
+    `rank_group` (the placement group that keeps them on this node) with the resources the trainer
+    reserves each."""
+    common = dict(trainer=cfg.trainer, loss=cfg.loss, group_size=cfg.queue.group_size,
+                  temperature=cfg.sampling.temperature, seed=cfg.run.seed, lr_horizon=cfg.optimizer_steps,
+                  reference_dir=reference_dir)
+    if cfg.trainer.backend == "torch":
+        from streamrl.trainer.torch_trainer import TorchTrainer
+
+        return TorchTrainer(model_dir, dtype=cfg.model.dtype, attention=cfg.model.attention, **common)
+    if cfg.trainer.backend == "sim":
+        from streamrl.trainer.sim import SimLearner
+
+        return SimLearner(cfg.sim_workload())
+    from streamrl.net import free_port
+    from streamrl.trainer.megatron_trainer import MegatronTrainer
+    from streamrl.trainer.ranks import MegatronRank, RankGroup
+
+    world = cfg.trainer.ranks
+    if world == 1:
+        return MegatronTrainer(model_dir, **common)
+    address, port = ray.util.get_node_ip_address(), free_port()
+    remotes = [create_actor(MegatronRank, run_name, f"trainer-rank{rank}", config, model_dir, resume_dir, rank,
+                            world, address, port, reference_dir, num_cpus=cfg.trainer.num_cpus,
+                            num_gpus=cfg.trainer.num_gpus,
+                            placement=(rank_group, rank))
+               for rank in range(1, world)]  # they wait in init_process_group until rank 0 joins
+    local = MegatronTrainer(model_dir, rank=0, world_size=world, master_addr=address, master_port=port, **common)
+    ray.get([rank.ready.remote() for rank in remotes])
+    return RankGroup(local, remotes)
