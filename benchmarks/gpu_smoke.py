@@ -130,7 +130,7 @@ def main() -> None:
         "trainer": args.trainer, "model": {"hidden": args.hidden, "layers": args.layers,
                                            "parameters": sum(p.numel() for p in policy.parameters())},
         "steps": len(steps), "loop_s": loop_s, "wall_s": time.perf_counter() - started,
-        "generated_tokens_per_s": producer.stats["generated_tokens"] / loop_s,
+        "generated_tokens_per_s": producer.stats.generated_tokens / loop_s,
         "trained_tokens_per_s": sum(m["trained_tokens"] for m in steps) / loop_s,
         "step_s": percentiles([m["train_s"] for m in steps]),
         "publish_s": percentiles(publish_s),

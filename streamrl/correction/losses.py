@@ -138,6 +138,9 @@ def _finish(per_token: torch.Tensor, batch: PolicyBatch, valid: torch.Tensor, *,
             masked_fraction=(batch.mask.bool().sum() - kept.sum()) / tokens,
             nonfinite_fraction=(batch.mask.bool() & ~valid).sum() / tokens,
             ess=(w.sum() ** 2 / (kept.sum().clamp(min=1) * (w ** 2).sum().clamp(min=1e-30))),
+            # ess's parts: a trainer sums them over micro-batches and ranks for the whole step's (`ess` of a
+            # part is a ratio: an average of parts' would depend on where the micro-batches were cut)
+            ess_weight_sum=w.sum(), ess_weight_sq_sum=(w ** 2).sum(),
             # k3 estimate of KL(b || p) from tokens sampled by b: (r − 1) − log r, r = p/b.
             kl_behavior_proximal=_masked_mean(raw_ratio - 1.0 - is_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP),
                                               valid),

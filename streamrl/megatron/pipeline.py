@@ -8,7 +8,7 @@ trainer's pipeline-parallel group, and the gradient sums pipeline stages need.
  forward: receive [w, n, hidden] from p − 1 ─► this stage's layers ─► send to p + 1 (last: the loss)
  backward: receive the output's gradient from p + 1 ─► backward ─► send the input's gradient to p − 1
 ```
-Micro-batches vary in shape (rows × longest row, see `streamrl.trainer.torch_trainer.micro_batches`),
+Micro-batches vary in shape (rows × longest row, see `streamrl.trainer.step.micro_batches`),
 but every rank of the trainer cuts the same ones from the same batch, so each stage knows the shape of
 every tensor it receives and no shapes are exchanged. megatron-core's own schedules cannot run without
 CUDA (they allocate their token counters on "cuda"); this one runs the same on gloo and NCCL, so the

@@ -24,6 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -102,6 +103,23 @@ class _Group:
         self.samples: dict[int, Sample] = {}
 
 
+@dataclass
+class ProducerCounters:
+    """What a producer has done so far (`summary.json`'s per-producer figures)."""
+
+    groups: int = 0  # committed
+    samples: int = 0
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    busy_slot_s: float = 0.0  # Σ active sequences × step time
+    engine_s: float = 0.0  # Σ step time: the engine computing
+    run_s: float = 0.0
+    weight_updates: int = 0
+    aborted_groups: int = 0  # stopped early: certain to exceed the staleness budget
+    expired_groups: int = 0  # refused at commit (their tickets had expired)
+    lost_groups: int = 0  # a server died under them (sglang): their prompts given back
+
+
 class RolloutProducer:
     def __init__(self, producer_id: int, *, queue: QueueClient, engine: Engine, task: Task, group_size: int,
                  max_staleness: int | None = None, admit_timeout: float = 0.2):
@@ -117,10 +135,7 @@ class RolloutProducer:
         self._commits: stdlib_queue.Queue[tuple[list[int], pa.RecordBatch | None] | None] = stdlib_queue.Queue()
         self._error: BaseException | None = None
         self._done = threading.Event()
-        # busy_slot_s: Σ active sequences × step time; engine_s: Σ step time (the engine computing)
-        self.stats = {"groups": 0, "samples": 0, "generated_tokens": 0, "decode_steps": 0, "busy_slot_s": 0.0,
-                      "engine_s": 0.0, "run_s": 0.0, "weight_updates": 0, "aborted_groups": 0, "expired_groups": 0,
-                      "lost_groups": 0}
+        self.stats = ProducerCounters()
         self.stalls: list[float] = []  # seconds each weight switch held up the decode loop
         self.last_blocked_by: str | None = None
 
@@ -158,7 +173,7 @@ class RolloutProducer:
                 self._decode()
         finally:
             self._shutdown(threads)
-            self.stats["run_s"] += time.perf_counter() - started
+            self.stats.run_s += time.perf_counter() - started
         self._raise_background_error()
 
     def _refresh(self) -> None:
@@ -166,7 +181,7 @@ class RolloutProducer:
         if stall is None:
             return
         self.stalls.append(stall)
-        self.stats["weight_updates"] += 1
+        self.stats.weight_updates += 1
         log.info("weights version %s in use (generation held up %.3f s)", self.engine.weights.version, stall)
         self._abort_doomed(self.engine.weights.version)
 
@@ -183,7 +198,7 @@ class RolloutProducer:
         if doomed:
             log.info("groups %s can no longer be trained within the staleness budget at version %s: stopped, "
                      "their prompts go back", doomed, version)
-            self.stats["aborted_groups"] += len(doomed)
+            self.stats.aborted_groups += len(doomed)
             self._commits.put((doomed, None))  # the commit thread gives the prompts back
 
     def _start_admitted(self) -> None:
@@ -201,13 +216,13 @@ class RolloutProducer:
     def _decode(self) -> None:
         active = self.engine.active
         finished = self.engine.step()
-        self.stats["busy_slot_s"] += active * self.engine.last_step_s
-        self.stats["engine_s"] += self.engine.last_step_s
-        self.stats["decode_steps"] += 1
-        self.stats["generated_tokens"] = self.engine.generated_tokens
+        self.stats.busy_slot_s += active * self.engine.last_step_s
+        self.stats.engine_s += self.engine.last_step_s
+        self.stats.decode_steps += 1
+        self.stats.generated_tokens = self.engine.generated_tokens
         lost = [key for key in self.engine.lost() if self._groups.pop(key, None) is not None]
         if lost:  # a server died under them: the prompts go back
-            self.stats["lost_groups"] += len(lost)
+            self.stats.lost_groups += len(lost)
             self._commits.put((lost, None))
         done = []
         for sample in finished:
@@ -237,7 +252,7 @@ class RolloutProducer:
                             for r in group_rewards(self.task, group.ticket.prompt_id,
                                                    [generation.response(row) for row in range(i * g, (i + 1) * g)])],
                            dtype=np.float32)
-        self.stats["samples"] += len(samples)
+        self.stats.samples += len(samples)
         return pack_groups([g.ticket for g in groups], [g.prompt for g in groups], generation, rewards,
                            group_size=self.group_size, producer_id=self.producer_id,
                            t_start=min(g.started for g in groups), t_end=time.time())
@@ -281,7 +296,10 @@ class RolloutProducer:
                     except BaseException as exc:
                         self._fail(exc)  # given back
                         continue
-                    self.stats["groups" if committed else "expired_groups"] += len(ticket_ids)
+                    if committed:
+                        self.stats.groups += len(ticket_ids)
+                    else:
+                        self.stats.expired_groups += len(ticket_ids)
                     if committed:
                         failpoints.hit("producer.after_commit")  # committed: its tickets are the queue's now
                     continue

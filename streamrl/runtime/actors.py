@@ -12,6 +12,8 @@ only connect them: what they hold is built by `runtime.build`, what they call go
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import os
 import threading
@@ -20,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -31,9 +33,13 @@ from streamrl.buffer.actor import NAMESPACE, fetch_table, get_queue_actor
 from streamrl.buffer.queue import QueueClosed
 from streamrl.config import RunConfig
 from streamrl.engine.base import accept_offer
+from streamrl.rollout.producer import ProducerCounters
 from streamrl.runtime.build import make_engine, make_learner
 from streamrl.runtime.clients import RemoteQueue, actor_name
 from streamrl.weights.actor import WeightPublisher
+
+if TYPE_CHECKING:  # the type only: the shell needs none of the trainers' modules
+    from streamrl.trainer.learner import Learner
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +77,7 @@ class ProducerActor:
     def ready(self) -> int:
         return os.getpid()
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> ProducerStatus:
         """Generate until `stop()` or until the queue closes; returns the producer's statistics. Leaving
         releases the weights version this producer held."""
         try:
@@ -100,11 +106,12 @@ class ProducerActor:
         accept_offer(self.producer.engine.weights, version, weights,
                      lambda held: ray.get(self.weights.hold.remote(self.producer.producer_id, held)))
 
-    def status(self) -> dict[str, Any]:
-        engine = self.producer.engine
-        return {"producer_id": self.producer.producer_id, **self.producer.stats, **engine.weights.status(),
-                "capacity": engine.capacity, "stalls": list(self.producer.stalls),
-                "blocked_by": self.producer.last_blocked_by, **_reward_failures(self.producer.task)}
+    def status(self) -> ProducerStatus:
+        engine, task = self.producer.engine, self.producer.task
+        return ProducerStatus(producer_id=self.producer.producer_id, counters=copy.copy(self.producer.stats),
+                              weights=engine.weights.status(), capacity=engine.capacity,
+                              stalls=list(self.producer.stalls), blocked_by=self.producer.last_blocked_by,
+                              **_reward_failures(task))
 
     def weight_history(self) -> list[tuple[float, int]]:
         return list(self.producer.engine.weights.history)
@@ -115,6 +122,25 @@ class ProducerActor:
 
     def resume_gpu(self) -> None:
         self.producer.engine.resume()
+
+
+@dataclass(frozen=True)
+class ProducerStatus:
+    """What a producer reports when it stops (a Ray call's result); `record()` is its `summary.json` entry."""
+
+    producer_id: int
+    counters: ProducerCounters
+    weights: dict[str, Any]  # its engine's weights (`EngineWeights.status`: the version held, loads, ...)
+    capacity: int  # sequences generated at once
+    stalls: list[float]  # seconds each weight switch held up the decode loop
+    blocked_by: str | None  # the last reason admission refused it
+    reward_failures: dict[str, int]  # a file task's failed rewards by kind
+    reward_failures_recent: list[str]
+
+    def record(self) -> dict[str, Any]:
+        return {"producer_id": self.producer_id, **dataclasses.asdict(self.counters), **self.weights,
+                "capacity": self.capacity, "stalls": self.stalls, "blocked_by": self.blocked_by,
+                "reward_failures": self.reward_failures, "reward_failures_recent": self.reward_failures_recent}
 
 
 @dataclass(frozen=True)
@@ -139,17 +165,6 @@ class StepResult:
     trainer_wait_s: float  # waiting for the queue: what generation did not hide
     audit: GroupAudit
     metrics: dict[str, float]  # the learner's (loss, clip and mask fractions, ...) and the step's phases
-
-
-class Learner(Protocol):
-    """What the trainer shell steps: the torch trainer, or the simulated one (`streamrl.trainer.sim`)."""
-
-    version: int
-
-    def train(self, table: pa.Table) -> dict[str, Any]:
-        """One step on `table`; its metrics, `trained_tokens` among them (the step's `StepResult` takes it)."""
-
-    def weights(self) -> dict[str, np.ndarray]: ...
 
 
 class TrainerShell:
@@ -283,7 +298,7 @@ class TrainerActor(TrainerShell):
             trainer.offload()  # the servers start while the trainer waits off the GPU
         super().__init__(run_name, trainer, groups_per_step=cfg.queue.groups_per_step,
                          get_timeout_s=cfg.trainer.get_timeout_s, colocated_producers=colocated)
-        self.task = make_task(cfg.task, getattr(trainer, "tokenizer", None), seed=cfg.run.seed,
+        self.task = make_task(cfg.task, trainer.tokenizer, seed=cfg.run.seed,
                               search_path=search_path, sim=cfg.sim_workload())
         self.max_new_tokens = cfg.sampling.max_new_tokens or self.task.max_new_tokens()
         self._group_sender, self._sender_lock = None, threading.Lock()

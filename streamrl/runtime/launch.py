@@ -285,6 +285,7 @@ class Run:
         step = result.version
         trained_tokens = self.trained_tokens + result.trained_tokens
         metrics = {
+            **result.metrics,  # first: a learner metric can never overwrite one of the run's own below
             "step": step,
             "version": step,
             "reward_mean": result.reward_mean,
@@ -294,7 +295,6 @@ class Run:
             "tokens_per_s": result.trained_tokens / max(step_wall, 1e-9),
             "trainer_wait_s": result.trainer_wait_s,
             "elapsed_s": self._elapsed(started),
-            **result.metrics,
             "queued_groups": queue["queued_groups"],
             "running_groups": queue["running"],
             "admitted": queue["admitted"],
@@ -354,7 +354,8 @@ class Run:
         final_eval = self._evaluate(self._started)
         self.checkpoint(self._started)
         summary = summarize(self.run_dir, self.config, stopped_by=self.stopped_by, final_eval=final_eval,
-                            producers=self.producers.stats, weight_histories=self.producers.weight_histories,
+                            producers=[status.record() for status in self.producers.stats],
+                            weight_histories=self.producers.weight_histories,
                             queue=ray.get(self.queue.status.remote()))
         summary["producer_restarts"] = self.producers.restarts
         if self.trainer_sends_weights:

@@ -19,12 +19,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import ray
 
 from streamrl.config import RunConfig
-from streamrl.runtime.actors import ProducerActor
+from streamrl.runtime.actors import ProducerActor, ProducerStatus
 from streamrl.runtime.clients import create_actor, update_group_prefix
 from streamrl.runtime.preflight import Plan
 from streamrl.runtime.rundir import EVENTS_FILE, RunDir
@@ -101,7 +100,7 @@ class Producers:
         self.handles: list[ray.actor.ActorHandle] = []
         self.runs: list[ray.ObjectRef] = []  # watched while the run trains; empty once stopped on purpose
         self.restarts = 0
-        self.stats: list[dict[str, Any]] = []  # each stopped producer's status, for the summary
+        self.stats: list[ProducerStatus] = []  # each stopped producer's, for the summary
         self.weight_histories: list[list[tuple[float, int]]] = []
 
     def create_all(self) -> list[ray.actor.ActorHandle]:

@@ -1,5 +1,6 @@
-"""The megatron-core trainer: the torch trainer's step (mini-batches, micro-batches, the losses of
-`streamrl.correction`, AdamW, rollback on a non-finite gradient) over a megatron-core `GPTModel`.
+"""The megatron-core backend: the step of `streamrl.trainer.step` (mini-batches, micro-batches, the
+losses of `streamrl.correction`, AdamW, rollback on a non-finite gradient) over a megatron-core
+`GPTModel`, this rank's shard of it.
 
 ```
  HF model dir ─convert─► this rank's GPTModel shard: its TP slice of its stage's layers  (.convert / .model)
@@ -20,8 +21,8 @@ exports and checkpoints come from DP rank 0 alone.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -36,20 +37,23 @@ from streamrl.megatron.convert import Stage, hf_names, hf_to_megatron, megatron_
 from streamrl.megatron.model import attention_inputs, build_model, logits_logprobs, release_scratch, token_logprobs
 from streamrl.megatron.pipeline import PipelineGroup, Schedule, sum_tied_embedding_grads
 from streamrl.models.hf import default_device, load_policy
-from streamrl.trainer.torch_trainer import TorchTrainer
+from streamrl.trainer.learner import ModuleBackend, Trainer
+from streamrl.trainer.step import LossOf
 
 _BUCKET_ELEMENTS = 1 << 25  # 32 Mi gradient elements (128 MiB in float32) per data-parallel all-reduce
 
 
-class MegatronTrainer(TorchTrainer):
-    def __init__(self, model_dir: str | Path, *, trainer: TrainerSection, loss: LossConfig, group_size: int,
-                 temperature: float = 1.0, version: int = 0, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 master_addr: str = "127.0.0.1", master_port: int | None = None, lr_horizon: int | None = None,
-                 reference_dir: str | Path | None = None):
-        parallel.initialize(rank=rank, world_size=world_size, tensor_parallel=trainer.tensor_parallel,
-                            data_parallel=trainer.data_parallel, pipeline_parallel=trainer.pipeline_parallel,
+class MegatronBackend(ModuleBackend):
+    def __init__(self, model_dir: str | Path, *, config: TrainerSection, group_size: int, temperature: float = 1.0,
+                 seed: int = 0, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
+                 master_port: int | None = None, reference_dir: str | Path | None = None):
+        """Joins the run's TP × DP × PP process groups as `rank` of `world_size`; `reference_dir`: the
+        frozen reference policy's weights (None: no KL penalty, no copy)."""
+        parallel.initialize(rank=rank, world_size=world_size, tensor_parallel=config.tensor_parallel,
+                            data_parallel=config.data_parallel, pipeline_parallel=config.pipeline_parallel,
                             master_addr=master_addr, master_port=master_port,
-                            seed=seed, timeout_s=trainer.collective_timeout_s)
+                            seed=seed, timeout_s=config.collective_timeout_s)
+        self.config, self.group_size, self.temperature = config, group_size, temperature
         # The Hugging Face model stays as the mirror the weights are exported through (eval, save).
         self.mirror, self.tokenizer = load_policy(model_dir, train=False)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -58,8 +62,16 @@ class MegatronTrainer(TorchTrainer):
         self.dp = parallel_state.get_data_parallel_world_size()
         self.pipeline = PipelineGroup.current()
         self.model = self._stage_model(self.mirror.state_dict())
-        self._setup(trainer, loss, group_size, temperature, version, seed, lr_horizon,
-                    reference_dir=reference_dir or model_dir)
+        self.reference = None
+        if reference_dir is not None:
+            reference, _ = load_policy(reference_dir)
+            self.reference = self._stage_model(reference.state_dict()).requires_grad_(False).eval()
+            self.reference.to(torch.device("cpu") if config.reference_offload else self.device)
+        # DP ranks hold identical weights and optimizer state: DP rank 0 writes them (its TP and PP ranks
+        # each their optimizer shard), global rank 0 the Hugging Face weights and trainer.json
+        self.writes_optimizer = self.dp_rank == 0
+        self.writes_model = self.dp_rank == 0 and self.tp_rank == 0 and self.pipeline.first
+        self._init_optimizer()
 
     def _stage_model(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
         """This rank's part of the model (its tensor-parallel shard of its pipeline stage) with `hf_state`."""
@@ -72,10 +84,6 @@ class MegatronTrainer(TorchTrainer):
                                f"unexpected {unexpected[:4]}")
         return model
 
-    def _load_reference(self, path: Path) -> torch.nn.Module:
-        reference, _ = load_policy(path)
-        return self._stage_model(reference.state_dict())
-
     @property
     def optimizer_file(self) -> str:
         """This rank's optimizer state: one file per tensor-parallel rank and pipeline stage."""
@@ -83,42 +91,50 @@ class MegatronTrainer(TorchTrainer):
                                                                  if self.pipeline.size > 1 else [])
         return ".".join(["optimizer", *parts, "pt"])
 
-    def _token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return token_logprobs(self.model, self.layout, input_ids, temperature=self.temperature)
+    # ---- micro-batches: one after another on a single stage, through the stages in 1F1B order otherwise --
+    def _micro_batch(self, model: torch.nn.Module, batch, lengths: np.ndarray, rows: np.ndarray) -> torch.Tensor:
+        """θ log-probs of `rows` on a single stage (the whole model)."""
+        input_ids = batch.input_ids[torch.from_numpy(rows), :int(lengths[rows].max())]
+        return token_logprobs(model, self.layout, input_ids, temperature=self.temperature)
 
-    # ---- pipeline parallel: the micro-batches go through the stages in 1F1B order ------------------------
     def _schedule(self, lengths: np.ndarray, parts: list[np.ndarray]) -> Schedule:
         shapes = [(int(lengths[rows].max()), len(rows), self.layout.hidden) for rows in parts]
         return Schedule(self.pipeline, shapes, device=self.device, dtype=torch.float32)
 
-    def _stage_forward(self, batch, lengths: np.ndarray, rows: np.ndarray, received: torch.Tensor | None
-                       ) -> torch.Tensor:
+    def _stage_forward(self, model: torch.nn.Module, batch, lengths: np.ndarray, rows: np.ndarray,
+                       received: torch.Tensor | None) -> torch.Tensor:
         """This stage's output for `rows`: hidden states for the next stage, or (last stage) θ log-probs."""
         input_ids = batch.input_ids[torch.from_numpy(rows), :int(lengths[rows].max())]
-        self.model.set_input_tensor(received)  # the previous stage's activations (None on the first)
-        output = self.model(input_ids, *attention_inputs(input_ids))
+        model.set_input_tensor(received)  # the previous stage's activations (None on the first)
+        output = model(input_ids, *attention_inputs(input_ids))
         if not self.stage.post:
             return output
         return logits_logprobs(output, self.layout, input_ids, temperature=self.temperature)
 
-    def _forward_only(self, batch, lengths: np.ndarray, parts: list[np.ndarray]) -> list[torch.Tensor]:
-        if self.pipeline.size == 1:
-            return super()._forward_only(batch, lengths, parts)
-        return self._schedule(lengths, parts).forward_only(
-            lambda i, received: self._stage_forward(batch, lengths, parts[i], received))
+    # ---- streamrl.trainer.step.Backend -------------------------------------------------------------------
+    @torch.no_grad()
+    def logprobs(self, batch, lengths: np.ndarray, parts: list[np.ndarray], *,
+                 reference: bool = False) -> list[torch.Tensor]:
+        with self._policy(reference) as model:
+            if self.pipeline.size == 1:
+                return [self._micro_batch(model, batch, lengths, rows) for rows in parts]
+            return self._schedule(lengths, parts).forward_only(
+                lambda i, received: self._stage_forward(model, batch, lengths, parts[i], received))
 
-    def _accumulate_gradients(self, batch, lengths: np.ndarray, parts: list[np.ndarray],
-                              loss_of: Callable[[np.ndarray, torch.Tensor], torch.Tensor]) -> None:
+    def backward(self, batch, lengths: np.ndarray, parts: list[np.ndarray], loss_of: LossOf) -> None:
+        self.model.train()
         if self.pipeline.size == 1:
-            return super()._accumulate_gradients(batch, lengths, parts, loss_of)
+            for rows in parts:
+                loss_of(rows, self._micro_batch(self.model, batch, lengths, rows)).backward()
+            return
 
         def forward(i: int, received: torch.Tensor | None) -> torch.Tensor:
-            output = self._stage_forward(batch, lengths, parts[i], received)
+            output = self._stage_forward(self.model, batch, lengths, parts[i], received)
             return loss_of(parts[i], output) if self.stage.post else output
 
         self._schedule(lengths, parts).forward_backward(forward)
 
-    def _shard(self, rows: np.ndarray) -> np.ndarray:
+    def shard(self, rows: np.ndarray) -> np.ndarray:
         """Groups d, d + DP, d + 2·DP, ... of the mini-batch for DP rank d: whole groups (a mini-batch's
         rows are whole groups back to back), the same split on every rank since every rank draws the
         same shuffle from the same seed."""
@@ -126,32 +142,20 @@ class MegatronTrainer(TorchTrainer):
             return rows
         return rows.reshape(-1, self.group_size)[self.dp_rank::self.dp].ravel()
 
-    def _reduce_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+    def gather_metrics(self, totals: dict[str, float]) -> list[dict[str, float]]:
         """The loss and its metrics are computed on the last pipeline stage: sent to the other stages
-        first. Each DP rank's metrics are already weighted by its tokens' share of the whole step (and
-        its loss divided by the whole mini-batch's tokens), so the step's are their sums; extremes are
-        the extremes over the ranks. Sent as objects: a dozen floats, once per step."""
+        first, then gathered over the DP group (`step.merge_ranks` sums them: each rank's are already
+        weighted by its share of the step's tokens). Sent as objects: a dozen floats, once per step."""
         if self.pipeline.size > 1:
             carried = [totals]
             dist.broadcast_object_list(carried, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                                        group=parallel_state.get_pipeline_model_parallel_group())
             totals = carried[0]
         if self.dp == 1:
-            return totals
+            return [totals]
         gathered: list[dict[str, float]] = [{} for _ in range(self.dp)]
         dist.all_gather_object(gathered, totals, group=parallel_state.get_data_parallel_group())
-        reduced: dict[str, float] = {}
-        for rank_totals in gathered:  # a rank may lack a key (it had no tokens): a union, not a zip
-            for name, value in rank_totals.items():
-                if name not in reduced:
-                    reduced[name] = value
-                elif name.endswith("_max"):
-                    reduced[name] = max(reduced[name], value)
-                elif name.endswith("_min"):
-                    reduced[name] = min(reduced[name], value)
-                else:
-                    reduced[name] += value
-        return reduced
+        return gathered
 
     def _reduce_gradients(self) -> None:
         """Sum the gradients over the DP group (each rank's loss is divided by the whole mini-batch's
@@ -175,7 +179,7 @@ class MegatronTrainer(TorchTrainer):
                     grad.copy_(part.view_as(grad))
                 bucket, size = [], 0
 
-    def _clip_gradients(self) -> torch.Tensor:
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
         """torch's `clip_grad_norm_` over the whole model, after the gradients are summed over the DP
         group (and a tied embedding's two copies over the pipeline's ends): a sharded parameter's
         squares summed over the TP group, each stage's over the pipeline, a replicated one and the
@@ -199,7 +203,7 @@ class MegatronTrainer(TorchTrainer):
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
             if bad.item():
                 return torch.full_like(norm, float("nan"))
-        scale = (self.config.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for grad in grads:
             grad.mul_(scale)
         return norm
@@ -250,34 +254,23 @@ class MegatronTrainer(TorchTrainer):
         return state
 
     @torch.no_grad()
-    def hf_model(self):
+    def hf_model(self) -> torch.nn.Module:
         state = self.mirror.state_dict()
         for name, tensor in self.hf_state().items():
             state[name].copy_(tensor)
         return self.mirror
 
-    def evaluate(self, task, *, limit: int | None = None, max_new_tokens: int) -> dict[str, float]:
-        """Greedy eval on the mirror, moved onto this rank's device for the duration."""
+    @contextlib.contextmanager
+    def evaluation_model(self) -> Iterator[torch.nn.Module]:
+        """The mirror with the current weights, on this rank's device for the duration."""
         self.mirror.to(default_device())
         try:
-            return super().evaluate(task, limit=limit, max_new_tokens=max_new_tokens)
+            yield self.hf_model()
         finally:
             self.mirror.to("cpu")
 
     def weights(self) -> dict[str, np.ndarray]:
         return {name: tensor.numpy() for name, tensor in self.hf_state().items()}
-
-    def save(self, directory: str | Path) -> None:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)  # DP rank 0's TP and PP ranks write optimizer state here
-        model = self.hf_model()  # collective: before any rank-0-only work
-        if self.dp_rank != 0:
-            return  # the same weights and optimizer state as DP rank 0's; on resume it reads that rank's files
-        if self.tp_rank == 0 and self.pipeline.first:
-            model.save_pretrained(directory / "model")
-            self.tokenizer.save_pretrained(directory / "model")
-            (directory / "trainer.json").write_text(json.dumps(self.progress()))
-        torch.save(self.optimizer.state_dict(), directory / self.optimizer_file)
 
     def offload(self) -> None:
         super().offload()  # parameters, buffers, optimizer state and the reference copy
@@ -287,3 +280,18 @@ class MegatronTrainer(TorchTrainer):
 
     def close(self) -> None:
         parallel.shutdown()
+
+
+class MegatronTrainer(Trainer):
+    """The learner over a `MegatronBackend` (rank `rank` of TP × DP × PP = `world_size`)."""
+
+    def __init__(self, model_dir: str | Path, *, trainer: TrainerSection, loss: LossConfig, group_size: int,
+                 temperature: float = 1.0, version: int = 0, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 master_addr: str = "127.0.0.1", master_port: int | None = None, lr_horizon: int | None = None,
+                 reference_dir: str | Path | None = None):
+        """`reference_dir`: the run's initial weights, the KL penalty's reference (default: `model_dir`)."""
+        backend = MegatronBackend(model_dir, config=trainer, group_size=group_size, temperature=temperature, seed=seed,
+                                  rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
+                                  reference_dir=(reference_dir or model_dir) if loss.kl_coef > 0 else None)
+        super().__init__(backend, trainer=trainer, loss=loss, group_size=group_size, version=version, seed=seed,
+                         lr_horizon=lr_horizon)

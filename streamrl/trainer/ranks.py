@@ -9,7 +9,7 @@ own, and every call runs on all of them at once (the collectives and sends insid
  weights / eval / checkpoint: each stage's DP rank 0 gathers over its TP group, the stages send theirs to
  rank 0, which keeps the result
 ```
-Every rank gets the whole table and takes its share itself (`MegatronTrainer._shard`): the table is
+Every rank gets the whole table and takes its share itself (`MegatronBackend.shard`): the table is
 put in the object store once, is small next to the model, and the split then lives in one place, next
 to the mini-batch shuffle it depends on. Rank actors are created by the trainer actor, so they die
 with it (Ray's owner fate-sharing).
@@ -18,12 +18,15 @@ with it (Ray's owner fate-sharing).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from streamrl import logs
 from streamrl.config import RunConfig
+
+if TYPE_CHECKING:
+    from streamrl.trainer.megatron_trainer import MegatronTrainer
 
 
 class MegatronRank:
@@ -57,9 +60,10 @@ class MegatronRank:
 
 
 class RankGroup:
-    """The learner the trainer shell steps when the model is split over several ranks."""
+    """The learner (`streamrl.trainer.learner.Learner`) the trainer shell steps when the model is split
+    over several ranks: every call runs on rank 0 here and on the others' actors."""
 
-    def __init__(self, local: Any, remotes: list[ray.actor.ActorHandle]):
+    def __init__(self, local: MegatronTrainer, remotes: list[ray.actor.ActorHandle]):
         self.local, self.remotes = local, remotes
 
     def _all(self, method: str, *args: Any, local_call=None) -> Any:
@@ -105,3 +109,6 @@ class RankGroup:
 
     def onload(self) -> None:
         self._all("onload")
+
+    def close(self) -> None:
+        self._all("close")

@@ -19,6 +19,11 @@ from streamrl.weights.arrays import state_arrays
 
 
 class SimLearner:
+    """A `streamrl.trainer.learner.Learner` whose step is the timing model's sleep. Not a step backend:
+    running the step plan would add the very arithmetic whose cost the model stands for."""
+
+    tokenizer = None  # no model, no tokens to decode
+
     def __init__(self, workload: SimWorkload, version: int = 0):
         self.workload = workload
         self.version = version
@@ -50,3 +55,12 @@ class SimLearner:
 
     def load_optimizer(self, directory: str | Path) -> None:
         self.version = json.loads((Path(directory) / "trainer.json").read_text())["version"]
+
+    def offload(self) -> None:
+        """Nothing lives on a device."""
+
+    def onload(self) -> None:
+        """Nothing lives on a device."""
+
+    def close(self) -> None:
+        """Nothing to leave."""

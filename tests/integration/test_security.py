@@ -270,12 +270,12 @@ def test_a_crafted_optimizer_file_is_refused_and_runs_nothing(tiny_model_dir, tm
     from streamrl.config import TrainerSection
     from streamrl.correction import LossConfig
     from streamrl.trainer.megatron_trainer import MegatronTrainer
-    from streamrl.trainer.torch_trainer import TorchTrainer
+    from streamrl.trainer.torch_trainer import TorchBackend, TorchTrainer
 
     marker = tmp_path / "pwned"
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
-    with open(checkpoint / TorchTrainer.optimizer_file, "wb") as f:
+    with open(checkpoint / TorchBackend.optimizer_file, "wb") as f:
         pickle.dump({"state": {}, "param_groups": [], "x": _Payload(marker)}, f, protocol=2)  # as torch.save
     (checkpoint / "trainer.json").write_text('{"version": 3}')
     trainer = TorchTrainer(tiny_model_dir, trainer=TrainerSection(), loss=LossConfig(name="decoupled_ppo"),

@@ -286,10 +286,10 @@ def test_the_producer_over_two_servers_feeds_the_queue_within_budget_with_exact_
     busiest, threads = max(seen)
     assert busiest >= 8 and threads <= 6  # many samples in flight, a handful of threads (no thread per sample)
     assert newest >= 4  # tokens of trained groups came from weights published during the run
-    assert producer.stats["weight_updates"] >= 3 and all(e.stats["updates"] >= 3 for e in engines)
+    assert producer.stats.weight_updates >= 3 and all(e.stats["updates"] >= 3 for e in engines)
     # the versions held, for summary.json's "producers held different versions" (it reported none before)
     held = [version for _, version in weights.history]
-    assert len(held) >= producer.stats["weight_updates"] and held == sorted(set(held)) and held[0] == 0
+    assert len(held) >= producer.stats.weight_updates and held == sorted(set(held)) and held[0] == 0
     assert sorted(p.name for p in (tmp_path / "w").iterdir())[-1] >= "v00000003"  # written, old ones pruned
     assert len(list((tmp_path / "w").iterdir())) <= 2
     status = queue.status()

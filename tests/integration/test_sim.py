@@ -107,7 +107,7 @@ def test_the_producer_feeds_a_trainer_within_the_budget_and_loses_nothing():
             t.join(timeout=30)
     assert not errors
     assert max(p.engine.weights.version for p in producers) >= 10  # weights really streamed mid-generation
-    assert all(p.stats["weight_updates"] > 0 for p in producers)
+    assert all(p.stats.weight_updates > 0 for p in producers)
     status = queue.status()
     assert status["running"] == 0  # the producers gave back what they had not finished
     ids = [g for g, _ in consumed]
@@ -187,12 +187,12 @@ def test_groups_that_can_no_longer_be_trained_in_budget_are_stopped_and_given_ba
         first = [t.ticket_id for t in queue.running_tickets()]
         queue.set_version(2)  # the trainer moved two versions on while these groups were generating
         registry.publish(2, learner.weights())
-        while producer.stats["aborted_groups"] < len(first) and time.monotonic() < deadline:
+        while producer.stats.aborted_groups < len(first) and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
         stop.set()
         thread.join(timeout=30)
-    assert producer.stats["aborted_groups"] == len(first) == 2  # version 0 groups, 2 > η versions old
+    assert producer.stats.aborted_groups == len(first) == 2  # version 0 groups, 2 > η versions old
     assert all(queue.ticket_state(t) == "abandoned" for t in first)
     assert queue.status()["committed"] == 0  # nothing was finished only to be thrown away
     assert sorted(queue.returned_prompts()) == list(range(queue.status()["prompt_cursor"]))

@@ -31,14 +31,16 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from streamrl.buffer.schema import LENGTH, STOP
 from streamrl.engine.sglang.server import ServerProcess
 from streamrl.sglang.client import EngineUnreachable, SglangClient, SglangError
-from streamrl.weights.server_paths import Loader
+
+if TYPE_CHECKING:  # the type only: the weight paths pull in torch and safetensors
+    from streamrl.weights.server_paths import Loader
 
 log = logging.getLogger(__name__)
 

@@ -133,7 +133,7 @@ def test_a_group_that_outlived_its_ticket_is_dropped_and_the_producer_goes_on(ti
     with running(producer) as errors:
         got = queue.get(3, timeout=30)
     assert not errors and got is not None
-    assert producer.stats["expired_groups"] >= slowed[0] >= 1
+    assert producer.stats.expired_groups >= slowed[0] >= 1
     assert queue.status()["abandoned"] >= slowed[0]  # their prompts went back and were generated again
     assert sorted(g.prompt_id for g in got.groups)[0] == 0
 
@@ -153,8 +153,8 @@ def test_groups_certain_to_exceed_the_budget_are_stopped_when_weights_move_on(ti
             time.sleep(0.02)
         queue.set_version(1)  # as the trainer does before publishing
         registry.publish(1, state_arrays(model))
-        while producer.stats["aborted_groups"] == 0 and time.time() < deadline:
+        while producer.stats.aborted_groups == 0 and time.time() < deadline:
             time.sleep(0.02)
-    assert not errors and producer.stats["aborted_groups"] >= 1
+    assert not errors and producer.stats.aborted_groups >= 1
     assert 0 in queue.returned_prompts() or queue.ticket_state(0) == "abandoned"
-    assert np.isfinite(producer.stats["busy_slot_s"])
+    assert np.isfinite(producer.stats.busy_slot_s)

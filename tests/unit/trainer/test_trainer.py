@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -8,7 +10,8 @@ from streamrl.buffer import QueueConfig, ReplayQueue
 from streamrl.config import TrainerSection
 from streamrl.correction import LossConfig
 from streamrl.tasks.reverse import ReverseDigits
-from streamrl.trainer.torch_trainer import TorchTrainer, micro_batches
+from streamrl.trainer.step import forward_logprobs, micro_batches, minibatch_rows
+from streamrl.trainer.torch_trainer import TorchTrainer
 
 
 def batch(groups=4, group_size=4, seed=0, response_len=(2, 7)):
@@ -38,7 +41,7 @@ def test_micro_batching_gives_the_same_update_as_one_batch(tiny_model_dir, loss)
     m_whole, m_split = whole.train(data), split.train(data)
     assert m_whole["loss"] == pytest.approx(m_split["loss"], abs=1e-5)
     assert m_whole["grad_norm"] == pytest.approx(m_split["grad_norm"], rel=1e-4)
-    for a, b in zip(whole.model.parameters(), split.model.parameters()):
+    for a, b in zip(whole.backend.model.parameters(), split.backend.model.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert whole.version == split.version == 1
 
@@ -54,7 +57,7 @@ def test_one_step_moves_the_policy_toward_higher_reward_samples(tiny_model_dir):
 
     def seq_logprob():
         with torch.no_grad():
-            lp = t._token_logprobs(padded.input_ids, padded.attention_mask)
+            lp = t.backend.token_logprobs(padded.input_ids, padded.attention_mask)
         return (lp * padded.loss_mask[:, 1:]).sum(-1)
 
     before = seq_logprob()
@@ -73,15 +76,15 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_version(tiny_model
     data = batch(seed=2)
     t.train(data)
     restored.train(data)  # same weights + same Adam moments -> same next step
-    for a, b in zip(t.model.parameters(), restored.model.parameters()):
+    for a, b in zip(t.backend.model.parameters(), restored.backend.model.parameters()):
         torch.testing.assert_close(a, b)
 
 
 def test_a_non_finite_gradient_skips_the_step_and_says_so(tiny_model_dir):
     t = trainer(tiny_model_dir)
-    before = [p.detach().clone() for p in t.model.parameters()]
+    before = [p.detach().clone() for p in t.backend.model.parameters()]
     with torch.no_grad():
-        t.model.get_input_embeddings().weight[3, 0] = float("nan")
+        t.backend.model.get_input_embeddings().weight[3, 0] = float("nan")
         before[0][3, 0] = float("nan")
     with pytest.raises(FloatingPointError, match="non-finite gradient norm at version 0"):
         t.train(batch(groups=4))
@@ -116,17 +119,17 @@ def test_minibatches_step_each_share_of_groups_against_the_proximal_policy_of_th
     mask = padded.loss_mask[:, 1:]
     adv = broadcast_to_tokens(grpo_advantages(padded.rewards, 4), mask)
     with torch.no_grad():
-        p = ref._token_logprobs(padded.input_ids, padded.attention_mask)
+        p = ref.backend.token_logprobs(padded.input_ids, padded.attention_mask)
     for part in np.array_split(np.random.default_rng(0).permutation(6), 2):
         rows = torch.from_numpy((part[:, None] * 4 + np.arange(4)).ravel())
-        ref.optimizer.zero_grad()
-        theta = ref._token_logprobs(padded.input_ids[rows], padded.attention_mask[rows])
-        loss_value, _ = ref.loss_fn(PolicyBatch(theta, padded.behavior_logprobs[rows, 1:], adv[rows], mask[rows],
+        ref.backend.optimizer.zero_grad()
+        theta = ref.backend.token_logprobs(padded.input_ids[rows], padded.attention_mask[rows])
+        loss_value, _ = ref.plan.loss_fn(PolicyBatch(theta, padded.behavior_logprobs[rows, 1:], adv[rows], mask[rows],
                                                 proximal_logprobs=p[rows]), denominator=float(mask[rows].sum()))
         loss_value.backward()
-        torch.nn.utils.clip_grad_norm_(ref.model.parameters(), 1.0)
-        ref.optimizer.step()
-    for a, b in zip(t.model.parameters(), ref.model.parameters()):
+        torch.nn.utils.clip_grad_norm_(ref.backend.model.parameters(), 1.0)
+        ref.backend.optimizer.step()
+    for a, b in zip(t.backend.model.parameters(), ref.backend.model.parameters()):
         # sdpa over other widths: ≤ 1.1e-5 measured; a wrong p (θ.detach()) is off by 1.6e-2
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
@@ -138,42 +141,40 @@ def test_the_proximal_forward_pass_runs_only_for_losses_that_read_it(tiny_model_
     anchors on the behaviour policy) does not pay for the extra no-grad pass over the whole batch."""
     t = minibatch_trainer(tiny_model_dir, minibatches=2, loss=loss)
     passes = []
-    proximal = t._forward_logprobs
-    t._forward_logprobs = lambda *args: passes.append(1) or proximal(*args)
+    logprobs = t.backend.logprobs
+    t.backend.logprobs = lambda *args, **kwargs: passes.append(1) or logprobs(*args, **kwargs)
     assert t.train(batch(groups=4, seed=5))["optimizer_steps"] == 2
     assert len(passes) == int(needs_proximal)
 
 
 def test_minibatch_rows_are_whole_groups_each_trained_once():
-    t = TorchTrainer.__new__(TorchTrainer)
-    t.group_size, t.config, t._rng = 4, TrainerSection(minibatches=3), np.random.default_rng(0)
-    parts = t._minibatch_rows(7 * 4)
+    rng = np.random.default_rng(0)
+    parts = minibatch_rows(7 * 4, group_size=4, minibatches=3, rng=rng)
     assert [len(p) for p in parts] == [12, 8, 8]
     assert sorted(np.concatenate(parts).tolist()) == list(range(28))
     for part in parts:
         assert all(set(part[i:i + 4] // 4) == {part[i] // 4} for i in range(0, len(part), 4))
-    assert len(t._minibatch_rows(2 * 4)) == 2  # never more mini-batches than groups
+    assert len(minibatch_rows(2 * 4, group_size=4, minibatches=3, rng=rng)) == 2  # never more mini-batches than groups
 
 
 def test_a_non_finite_gradient_in_a_later_minibatch_rolls_the_whole_step_back(tiny_model_dir):
     t = minibatch_trainer(tiny_model_dir, minibatches=2)
-    before = [p.detach().clone() for p in t.model.parameters()]
+    before = [p.detach().clone() for p in t.backend.model.parameters()]
     calls = []
-    inner = t.loss_fn
+    inner = t.plan.loss_fn
 
     def poisoned(policy_batch, **kwargs):  # the second mini-batch's loss is NaN
         calls.append(1)
         loss_value, metrics = inner(policy_batch, **kwargs)
         return (loss_value * float("nan") if len(calls) > 1 else loss_value), metrics
 
-    poisoned.keywords = inner.keywords
-    t.loss_fn = poisoned
+    t.plan = dataclasses.replace(t.plan, loss_fn=poisoned)
     with pytest.raises(FloatingPointError, match="non-finite gradient norm at version 0"):
         t.train(batch(groups=4))
     assert len(calls) == 2 and t.version == 0
-    for a, b in zip(before, t.model.parameters()):
+    for a, b in zip(before, t.backend.model.parameters()):
         torch.testing.assert_close(a, b)
-    assert not t.optimizer.state  # AdamW's moments as before the step: none yet
+    assert not t.backend.optimizer.state  # AdamW's moments as before the step: none yet
 
 
 # ---- the learning-rate schedule and activation checkpointing ------------------------------------------------
@@ -215,22 +216,21 @@ def test_a_resumed_trainer_continues_the_schedule_exactly(tiny_model_dir, tmp_pa
     assert resumed_lrs == lrs  # each the rate of the step's last optimizer step
     schedule = dict(lr=1e-2, schedule="cosine", warmup_steps=2, decay_steps=9, min_lr_ratio=0.1)
     assert lrs == [lr_at(2 * i + 1, **schedule) for i in range(5)]
-    for a, b in zip(whole.model.parameters(), second.model.parameters()):
+    for a, b in zip(whole.backend.model.parameters(), second.backend.model.parameters()):
         torch.testing.assert_close(a, b)
 
 
 def test_a_rolled_back_step_leaves_the_schedule_where_it_was(tiny_model_dir):
     t = scheduled_trainer(tiny_model_dir)
     t.train(batch(seed=0))
-    inner, calls = t.loss_fn, []
+    inner, calls = t.plan.loss_fn, []
 
     def poisoned(policy_batch, **kwargs):  # the second mini-batch's loss is NaN: the whole step rolls back
         calls.append(1)
         loss_value, metrics = inner(policy_batch, **kwargs)
         return (loss_value * float("nan") if len(calls) > 1 else loss_value), metrics
 
-    poisoned.keywords = inner.keywords
-    t.loss_fn = poisoned
+    t.plan = dataclasses.replace(t.plan, loss_fn=poisoned)
     with pytest.raises(FloatingPointError):
         t.train(batch(seed=1))
     assert len(calls) == 2 and t.optimizer_steps == 2 and t.version == 1
@@ -242,7 +242,7 @@ def test_activation_checkpointing_gives_the_same_update(tiny_model_dir):
                               loss=LossConfig(name="decoupled_ppo"), group_size=4)
     data = batch(seed=3)
     assert plain.train(data)["grad_norm"] == pytest.approx(recomputed.train(data)["grad_norm"], rel=1e-5)
-    for a, b in zip(plain.model.parameters(), recomputed.model.parameters()):
+    for a, b in zip(plain.backend.model.parameters(), recomputed.backend.model.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
@@ -263,7 +263,7 @@ def with_exact_behaviour(model_dir, data):
 
     padded = to_padded(data)
     with torch.no_grad():
-        exact = trainer(model_dir)._token_logprobs(padded.input_ids, padded.attention_mask)
+        exact = trainer(model_dir).backend.token_logprobs(padded.input_ids, padded.attention_mask)
     mask = padded.loss_mask[:, 1:].bool()
     rows = [exact[i][mask[i]].tolist() for i in range(len(exact))]
     return data.set_column(data.schema.get_field_index("behavior_logprobs"), "behavior_logprobs",
@@ -280,8 +280,8 @@ def test_the_train_inference_mismatch_is_reported_and_bf16_training_keeps_float3
     metrics = bf16.train(data)
     assert metrics["mismatch_abs_max"] > 1e-4 and 0 < metrics["mismatch_kl"] < 1e-2  # bf16's rounding, no more
     assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
-    assert {p.dtype for p in bf16.model.parameters()} == {torch.float32}  # the optimizer's master weights
-    assert {v.dtype for s in bf16.optimizer.state.values() for k, v in s.items() if k != "step"} == {torch.float32}
+    assert {p.dtype for p in bf16.backend.model.parameters()} == {torch.float32}  # the optimizer's master weights
+    assert {v.dtype for s in bf16.backend.optimizer.state.values() for k, v in s.items() if k != "step"} == {torch.float32}
 
 
 def test_a_stale_only_batch_reports_no_mismatch(tiny_model_dir):
@@ -311,14 +311,15 @@ def test_the_kl_penalty_uses_reference_log_probs_of_the_initial_weights(tiny_mod
     mask = padded.loss_mask[:, 1:]
     adv = torch.zeros_like(mask, dtype=torch.float32)  # isolate the penalty: no policy-gradient term
     with torch.no_grad():
-        ref = trainer(tiny_model_dir)._token_logprobs(padded.input_ids, padded.attention_mask)  # initial weights
-    theta = t._token_logprobs(padded.input_ids, padded.attention_mask)
+        ref = trainer(tiny_model_dir).backend.token_logprobs(padded.input_ids, padded.attention_mask)  # initial weights
+    theta = t.backend.token_logprobs(padded.input_ids, padded.attention_mask)
     loss, metrics = make_loss(LossConfig(name="reinforce", kl_coef=0.5, kl_estimator="k1"))(
-        PolicyBatch(theta, padded.behavior_logprobs[:, 1:], adv, mask, ref_logprobs=t._reference_logprobs(
-            padded, (padded.prompt_lengths + padded.response_lengths).numpy(), np.arange(len(mask)))))
+        PolicyBatch(theta, padded.behavior_logprobs[:, 1:], adv, mask, ref_logprobs=forward_logprobs(
+            t.backend, padded, (padded.prompt_lengths + padded.response_lengths).numpy(), np.arange(len(mask)),
+            token_budget=8192, reference=True)))
     by_hand = 0.5 * ((theta - ref) * mask).sum() / mask.sum()
-    grads = torch.autograd.grad(loss, list(t.model.parameters()), retain_graph=True)
-    expected = torch.autograd.grad(by_hand, list(t.model.parameters()))
+    grads = torch.autograd.grad(loss, list(t.backend.model.parameters()), retain_graph=True)
+    expected = torch.autograd.grad(by_hand, list(t.backend.model.parameters()))
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     assert float(metrics["kl_ref"]) == pytest.approx(float(by_hand.detach()) / 0.5, rel=1e-5)
@@ -333,7 +334,7 @@ def test_a_large_kl_coefficient_keeps_the_policy_at_its_reference(tiny_model_dir
         loose, tight = free.train(data), held.train(data)
     assert loose["kl_ref"] > 0.05  # the policy moved away from its start
     assert tight["kl_ref"] < loose["kl_ref"] / 10
-    assert held.reference.device.type == "cpu" if offload else True
+    assert held.backend.reference.device.type == "cpu" if offload else True
 
 
 def test_a_resumed_trainer_keeps_the_initial_weights_as_its_reference(tiny_model_dir, tmp_path):
@@ -343,7 +344,7 @@ def test_a_resumed_trainer_keeps_the_initial_weights_as_its_reference(tiny_model
     resumed = TorchTrainer(tmp_path / "model", trainer=TrainerSection(lr=3e-2),
                            loss=LossConfig(name="reinforce", kl_coef=0.5, kl_estimator="k1"), group_size=4,
                            reference_dir=tiny_model_dir)
-    for ours, initial in zip(resumed.reference.parameters(), trainer(tiny_model_dir).model.parameters()):
+    for ours, initial in zip(resumed.backend.reference.parameters(), trainer(tiny_model_dir).backend.model.parameters()):
         torch.testing.assert_close(ours, initial, atol=0, rtol=0)
 
 
@@ -356,5 +357,5 @@ def test_on_cuda_a_bfloat16_step_keeps_float32_master_weights_and_reports_its_mi
     bf16 = TorchTrainer(tiny_model_dir, trainer=TrainerSection(), loss=LossConfig(kl_coef=0.1), group_size=4,
                         dtype="bfloat16", attention="sdpa")
     metrics = bf16.train(data)
-    assert bf16.device.type == "cuda" and {p.dtype for p in bf16.model.parameters()} == {torch.float32}
+    assert bf16.backend.device.type == "cuda" and {p.dtype for p in bf16.backend.model.parameters()} == {torch.float32}
     assert 0 < metrics["mismatch_abs_max"] < 0.5 and np.isfinite(metrics["loss"]) and "kl_ref" in metrics
