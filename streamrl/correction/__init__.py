@@ -7,6 +7,8 @@ from streamrl.correction.losses import (
     LOSSES,
     PolicyBatch,
     decoupled_ppo,
+    gspo,
+    m2po,
     masked_is,
     naive,
     ppo_bypass,
@@ -16,6 +18,6 @@ from streamrl.correction.losses import (
 
 __all__ = [
     "LOSSES", "LossConfig", "PolicyBatch", "broadcast_to_tokens", "decoupled_ppo", "grpo_advantages",
-    "make_loss", "masked_is", "naive", "ppo_bypass", "reinforce", "rloo_advantages", "tis", "token_entropy",
-    "token_logprobs",
+    "gspo", "m2po", "make_loss", "masked_is", "naive", "ppo_bypass", "reinforce", "rloo_advantages", "tis",
+    "token_entropy", "token_logprobs",
 ]

@@ -19,14 +19,16 @@ class LossConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    name: Literal["decoupled_ppo", "ppo_bypass", "tis", "masked_is", "reinforce", "naive"] = "decoupled_ppo"
-    """Which objective; `decoupled_ppo` corrects for stale data by default, `naive` is the baseline."""
+    name: Literal["decoupled_ppo", "ppo_bypass", "tis", "masked_is", "reinforce", "naive", "m2po",
+                  "gspo"] = "decoupled_ppo"
+    """Which objective; `decoupled_ppo` corrects for stale data by default, `naive` is the baseline;
+    `m2po` and `gspo` are trust regions meant for data many versions stale."""
     clip_low: float = Field(0.2, gt=0, lt=1)
     """PPO ε: the ratio is clipped below at 1 − ε."""
     clip_high: float = Field(0.2, gt=0)
     """PPO ε_high: the ratio is clipped above at 1 + ε_high (DAPO's clip-higher when > clip_low)."""
     is_cap: float = Field(2.0, ge=1)
-    """C: the behaviour importance weight is truncated at C (decoupled_ppo, tis, reinforce)."""
+    """C: the behaviour importance weight is truncated at C (decoupled_ppo, tis, reinforce, gspo)."""
     level: Literal["token", "sequence", "geometric"] = "token"
     """masked_is: whether the ratio is checked per token, per sequence (product) or by geometric mean."""
     lo: float = Field(0.5, ge=0, le=1)
@@ -35,6 +37,13 @@ class LossConfig(BaseModel):
     """masked_is: tokens or sequences with ratio above this are masked."""
     reweight: bool = True
     """masked_is: weight kept tokens by the ratio (masked IS) or by 1 (rejection)."""
+    m2_tau: float = Field(0.04, gt=0)
+    """m2po: τ, the largest mean second moment (log p/b)² the trust-region tokens may keep (the
+    paper's single setting, 0.04)."""
+    seq_clip_low: float = Field(3e-4, gt=0, lt=1)
+    """gspo: ε of the sequence-level clip, below (GSPO's 3e-4)."""
+    seq_clip_high: float = Field(4e-4, gt=0)
+    """gspo: ε_high of the sequence-level clip, above (GSPO's 4e-4)."""
     aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
     """How per-token losses become one number."""
     kl_coef: float = Field(0.0, ge=0)
@@ -61,6 +70,8 @@ _PARAMS = {
     "masked_is": ("level", "lo", "hi", "reweight", "clip_low", "clip_high"),
     "reinforce": ("is_cap",),
     "naive": ("clip_low", "clip_high"),
+    "m2po": ("m2_tau",),
+    "gspo": ("seq_clip_low", "seq_clip_high", "is_cap"),
 }
 
 

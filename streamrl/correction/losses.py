@@ -12,6 +12,8 @@ Notation (all [N, T], aligned to response tokens): `b` behaviour log-prob (the e
 | `masked_is`     | −w · PPO term on r; w = e^(p−b) (or 1: rejection), 0 outside [lo, hi] | yes     |
 | `reinforce`     | −sg(min(e^(θ−b), C)) · A · θ  (REINFORCE with truncated IS)        | no      |
 | `naive`         | −min(r·A, clip(r)·A): PPO on p, behaviour ignored (the baseline)  | yes     |
+| `m2po`          | −M · e^(θ−b) · A; M masks trust-region tokens of largest (p−b)² until their mean ≤ τ | yes |
+| `gspo`          | −min(e^(p̄−b̄), C) · min(s·A, clip(s, 1−ε, 1+ε_h)·A), s = e^(mean_t(θ−p)) per sequence | yes |
 
 `masked_is` checks the ratio per token, per sequence (product) or by geometric mean (`level`).
 
@@ -32,6 +34,7 @@ gradients are zero, never NaN. Metrics are detached 0-d tensors (no device sync 
 
 from __future__ import annotations
 
+import math
 from typing import Literal, NamedTuple
 
 import torch
@@ -284,6 +287,71 @@ def naive(batch: PolicyBatch, *, clip_low: float = 0.2, clip_high: float = 0.2,
                    **_common(aggregation, denominator, kl_coef, kl_estimator, trainer_version))
 
 
+# ---- trust regions for stale data -----------------------------------------------------------------------
+def m2po_values(is_log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """M2PO's statistic: (log r)² of the trust-region tokens, those where PPO's clip could act (A > 0
+    and r > 1, or A < 0 and r < 1), r = p / b; and where those tokens are."""
+    log_ratio = is_log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    region = valid & (((advantages > 0) & (log_ratio > 0)) | ((advantages < 0) & (log_ratio < 0)))
+    return log_ratio[region] ** 2, region
+
+
+def m2po_cutoff(values: torch.Tensor, m2_tau: float) -> float:
+    """M2PO's Algorithm 1 as a threshold: the trust-region tokens with the largest (log r)² are masked
+    until the mean over the rest is at most τ; the smallest value masked (a token at or above it is
+    masked), +inf when nothing needs masking."""
+    n = values.numel()
+    if n == 0 or float(values.double().mean()) <= m2_tau:
+        return math.inf
+    ordered = values.double().sort(descending=True).values
+    removed = ordered.cumsum(0)  # removed[k − 1]: the sum of the k largest
+    left = torch.arange(n - 1, -1, -1, dtype=torch.float64)  # tokens left after removing k = 1..n
+    remaining_mean = (ordered.sum() - removed) / left.clamp(min=1)
+    k = int(torch.nonzero((remaining_mean <= m2_tau) | (left == 0))[0]) + 1  # the fewest removals that suffice
+    return float(ordered[k - 1])
+
+
+def m2po(batch: PolicyBatch, *, m2_tau: float = 0.04, cutoff: float | None = None,
+         aggregation: Aggregation = "token_mean", denominator: float | None = None, kl_coef: float = 0.0,
+         kl_estimator: Literal["k1", "k3"] = "k3", trainer_version: int | None = None):
+    """M2PO (Zheng et al., 2025, "Prosperity before Collapse"): no ε-clip; instead the trust-region
+    tokens with the largest second moment (log r)² are masked until the batch's mean second moment is
+    at most τ, and the rest follow −r_b·A, r_b = e^(θ−b) = e^(p−b)·e^(θ−p). The statistic uses r = p/b,
+    fixed for the step (θ = p at its first optimizer step, as the paper's θ/b), so that the mask is the
+    whole batch's: the trainer computes `cutoff` over every micro-batch and rank (`m2po_cutoff`); called
+    alone, the loss computes it from its own tokens."""
+    valid, b, p = _prepare(batch, needs_proximal=True)
+    is_log_ratio = p - b
+    values, region = m2po_values(is_log_ratio, batch.advantages, valid)
+    if cutoff is None:
+        cutoff = m2po_cutoff(values, m2_tau)
+    rejected = region & (is_log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) ** 2 >= cutoff)
+    w = torch.where(rejected, 0.0, _exp_ratio(is_log_ratio))
+    per_token = -w * _exp_ratio(batch.logprobs - p) * batch.advantages
+    return _finish(per_token, batch, valid, is_log_ratio=is_log_ratio, weights=w, clipped=None, truncated=None,
+                   rejected=rejected, **_common(aggregation, denominator, kl_coef, kl_estimator, trainer_version))
+
+
+def gspo(batch: PolicyBatch, *, seq_clip_low: float = 3e-4, seq_clip_high: float = 4e-4, is_cap: float = 2.0,
+         aggregation: Aggregation = "token_mean", denominator: float | None = None, kl_coef: float = 0.0,
+         kl_estimator: Literal["k1", "k3"] = "k3", trainer_version: int | None = None):
+    """GSPO's sequence-level trust region (Zheng et al., 2025, Qwen), decoupled: the PPO clip acts on
+    each sequence's geometric-mean ratio s = e^(mean_t(θ − p)) with GSPO's small ε, and the behaviour
+    correction is the sequence's truncated geometric-mean weight min(e^(mean_t(p − b)), C). A sequence
+    is in or out of the trust region as a whole, however long; one stale token cannot dominate."""
+    valid, b, p = _prepare(batch, needs_proximal=True)
+    count = valid.sum(-1, keepdim=True).clamp(min=1)
+    seq_log_ratio = torch.where(valid, batch.logprobs - p, 0.0).sum(-1, keepdim=True) / count
+    seq_is = torch.where(valid, p - b, 0.0).sum(-1, keepdim=True) / count
+    w, truncated = _truncated_weight(seq_is, is_cap)
+    term, clipped, _ = _ppo_term(seq_log_ratio.expand_as(p), batch.advantages, seq_clip_low, seq_clip_high)
+    weights = w.expand_as(p)
+    return _finish(weights * term, batch, valid, is_log_ratio=p - b, weights=weights, clipped=clipped,
+                   truncated=truncated.expand_as(p) & valid, rejected=None,
+                   **_common(aggregation, denominator, kl_coef, kl_estimator, trainer_version))
+
+
 LOSSES = {
     "decoupled_ppo": decoupled_ppo,
     "ppo_bypass": ppo_bypass,
@@ -291,6 +359,8 @@ LOSSES = {
     "masked_is": masked_is,
     "reinforce": reinforce,
     "naive": naive,
+    "m2po": m2po,
+    "gspo": gspo,
 }
 NEEDS_PROXIMAL = {"decoupled_ppo": True, "ppo_bypass": False, "tis": True, "masked_is": True,
-                  "reinforce": False, "naive": True}
+                  "reinforce": False, "naive": True, "m2po": True, "gspo": True}

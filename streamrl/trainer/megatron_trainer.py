@@ -151,10 +151,14 @@ class MegatronBackend(ModuleBackend):
             dist.broadcast_object_list(carried, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                                        group=parallel_state.get_pipeline_model_parallel_group())
             totals = carried[0]
+        return self.all_gather(totals)
+
+    def all_gather(self, value):
+        """Over this stage's data-parallel group (the TP ranks of a group hold the same value)."""
         if self.dp == 1:
-            return [totals]
-        gathered: list[dict[str, float]] = [{} for _ in range(self.dp)]
-        dist.all_gather_object(gathered, totals, group=parallel_state.get_data_parallel_group())
+            return [value]
+        gathered = [None] * self.dp
+        dist.all_gather_object(gathered, value, group=parallel_state.get_data_parallel_group())
         return gathered
 
     def _reduce_gradients(self) -> None:

@@ -44,6 +44,7 @@ from streamrl.correction import (
     make_loss,
     rloo_advantages,
 )
+from streamrl.correction.losses import m2po_cutoff, m2po_values
 from streamrl.trainer.schedule import lr_at
 
 LossOf = Callable[[np.ndarray, torch.Tensor], torch.Tensor]  # (a micro-batch's rows, their θ log-probs) → loss
@@ -80,6 +81,9 @@ class Backend(Protocol):
     def gather_metrics(self, totals: dict[str, float]) -> list[dict[str, float]]:
         """Every rank's step metrics (each already weighted by its share of the step's tokens)."""
 
+    def all_gather(self, value: np.ndarray) -> list[np.ndarray]:
+        """Every data-parallel rank's `value` (a whole-batch statistic from each rank's rows)."""
+
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -95,6 +99,7 @@ class StepPlan:
     needs_proximal: bool
     with_reference: bool
     schedule: dict[str, Any]  # `lr_at`'s keywords
+    m2_tau: float | None = None  # m2po: its mask is the whole batch's, computed before any gradient
 
     @classmethod
     def of(cls, trainer: TrainerSection, loss: LossConfig, group_size: int, lr_horizon: int | None = None) -> StepPlan:
@@ -108,7 +113,8 @@ class StepPlan:
                    micro_batch_tokens=trainer.micro_batch_tokens, advantage=trainer.advantage,
                    grad_clip=trainer.grad_clip, loss_fn=make_loss(loss),
                    token_mean=loss.aggregation == "token_mean", needs_proximal=loss.needs_proximal,
-                   with_reference=loss.kl_coef > 0, schedule=schedule)
+                   with_reference=loss.kl_coef > 0, schedule=schedule,
+                   m2_tau=loss.m2_tau if loss.name == "m2po" else None)
 
     def lr(self, optimizer_step: int) -> float:
         return lr_at(optimizer_step, **self.schedule)
@@ -125,9 +131,12 @@ def run_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, *, version: i
     adv = broadcast_to_tokens(advantages(batch.rewards, plan.group_size, plan.advantage), mask)
     parts = minibatch_rows(len(lengths), plan.group_size, plan.minibatches, rng)
     mine = np.sort(np.concatenate([backend.shard(rows) for rows in parts]))
-    # one optimizer step: p is θ in the same forward pass (see the module docstring)
+    # one optimizer step: p is θ in the same forward pass (see the module docstring), unless the loss
+    # needs a statistic of the whole batch's p before the first gradient (m2po)
     proximal = forward_logprobs(backend, batch, lengths, mine, plan.micro_batch_tokens) \
-        if len(parts) > 1 and plan.needs_proximal else None
+        if plan.needs_proximal and (len(parts) > 1 or plan.m2_tau is not None) else None
+    keywords = {} if plan.m2_tau is None else {"cutoff": m2po_batch_cutoff(backend, batch, mine, proximal, adv,
+                                                                           mask, plan.m2_tau)}
     reference = forward_logprobs(backend, batch, lengths, mine, plan.micro_batch_tokens, reference=True) \
         if plan.with_reference else None
     saved = backend.snapshot() if len(parts) > 1 else None
@@ -138,7 +147,8 @@ def run_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, *, version: i
         try:
             grad_norms.append(_optimizer_step(backend, plan, batch, rows, lengths, mask, adv, totals,
                                               proximal=proximal, reference=reference, version=version,
-                                              step_tokens=step_tokens, lr=plan.lr(optimizer_steps + i)))
+                                              step_tokens=step_tokens, lr=plan.lr(optimizer_steps + i),
+                                              keywords=keywords))
         except FloatingPointError:
             if saved is not None:  # earlier mini-batches of this step were applied: undo them
                 backend.restore(saved)
@@ -152,7 +162,8 @@ def run_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, *, version: i
 
 def _optimizer_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, rows: np.ndarray, lengths: np.ndarray,
                     mask: torch.Tensor, adv: torch.Tensor, totals: dict[str, float], *, proximal: torch.Tensor | None,
-                    reference: torch.Tensor | None, version: int, step_tokens: int, lr: float) -> float:
+                    reference: torch.Tensor | None, version: int, step_tokens: int, lr: float,
+                    keywords: dict[str, Any]) -> float:
     """Accumulate the gradient of this rank's share of `rows` over micro-batches, clip, step; metrics
     into `totals` weighted by the mini-batch's share of the step's tokens. The loss is normalised by the
     whole mini-batch's tokens (or rows), so that data-parallel ranks' gradients sum to the one-rank
@@ -173,7 +184,7 @@ def _optimizer_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, rows: 
             PolicyBatch(logprobs=theta, behavior_logprobs=behavior[rows_t, cut], advantages=adv[rows_t, cut],
                         mask=mask[rows_t, cut], proximal_logprobs=prox, versions=versions[rows_t, cut],
                         ref_logprobs=None if reference is None else reference[rows_t, cut]),
-            denominator=denominator, trainer_version=version)
+            denominator=denominator, trainer_version=version, **keywords)
         within = float(mask[rows_t].sum()) / max(tokens, 1)
         accumulate(totals, metrics, share=share * within)
         totals["loss"] = totals.get("loss", 0.0) + share * float(loss.detach())  # already over the whole mini-batch
@@ -198,6 +209,18 @@ def forward_logprobs(backend: Backend, batch: PaddedBatch, lengths: np.ndarray, 
     for part, logprobs in zip(parts, backend.logprobs(batch, lengths, parts, reference=reference)):
         out[torch.from_numpy(part), :logprobs.shape[1]] = logprobs
     return out
+
+
+def m2po_batch_cutoff(backend: Backend, batch: PaddedBatch, rows: np.ndarray, proximal: torch.Tensor,
+                      adv: torch.Tensor, mask: torch.Tensor, m2_tau: float) -> float:
+    """M2PO's mask threshold over the whole step's batch: the trust-region tokens of this rank's `rows`
+    and every other data-parallel rank's, so that every micro-batch and rank masks as one batch would."""
+    rows_t = torch.from_numpy(rows)
+    behavior, prox = batch.behavior_logprobs[:, 1:][rows_t], proximal[rows_t]
+    valid = mask[rows_t].bool() & torch.isfinite(behavior) & torch.isfinite(prox)
+    values, _ = m2po_values(torch.where(valid, prox - behavior, 0.0), adv[rows_t], valid)
+    every = np.concatenate(backend.all_gather(values.double().cpu().numpy()))
+    return m2po_cutoff(torch.from_numpy(every), m2_tau)
 
 
 # ---- the cut: mini-batches of whole groups, micro-batches within a token budget ---------------------------

@@ -77,6 +77,9 @@ class TorchBackend(ModuleBackend):
     def gather_metrics(self, totals: dict[str, float]) -> list[dict[str, float]]:
         return [totals]
 
+    def all_gather(self, value: np.ndarray) -> list[np.ndarray]:
+        return [value]
+
     # ---- model I/O ---------------------------------------------------------------------------------------
     def hf_model(self) -> torch.nn.Module:
         return self.model

@@ -120,6 +120,8 @@ def test_kl_penalty_gradient(estimator):
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_on_policy_every_loss_is_the_standard_policy_gradient(name):
     theta, _, _, adv, mask = make_batch()
+    if name == "gspo":  # a sequence-level ratio: the same as the token-level one for a sequence's advantage
+        adv = adv[:, :1].expand_as(adv)
     same = theta.detach().clone()
     grad, _, metrics = grad_of(name, theta, same, same, adv, mask)
     torch.testing.assert_close(grad, -adv * mask / mask.sum(), rtol=1e-12, atol=1e-12)  # PPO = REINFORCE at r = 1
@@ -247,3 +249,76 @@ def test_a_kl_penalty_without_reference_log_probs_is_refused_not_skipped():
     theta, b, p, adv, mask = make_batch()
     with pytest.raises(ValueError, match=r"kl_coef=0.1 needs the reference policy's log-probs"):
         make_loss(LossConfig(kl_coef=0.1))(PolicyBatch(theta, b, adv, mask, p))
+
+
+# ---- trust regions for stale data: m2po and gspo --------------------------------------------------------
+def m2po_mask_by_the_paper(is_log_ratio, adv, mask, tau):
+    """Algorithm 1 of the M2PO paper, literally: mask the trust-region token of largest (log r)² while the
+    mean over the trust-region tokens left exceeds τ."""
+    region = mask & (((adv > 0) & (is_log_ratio > 0)) | ((adv < 0) & (is_log_ratio < 0)))
+    m2 = is_log_ratio ** 2
+    left, masked = region.clone(), torch.zeros_like(mask)
+    while left.any() and float(m2[left].mean()) > tau:
+        worst = torch.where(left, m2, -1.0).argmax()
+        left.view(-1)[worst] = False
+        masked.view(-1)[worst] = True
+    return masked
+
+
+@pytest.mark.parametrize("tau", [0.005, 0.04, 0.1])
+def test_m2po_masks_as_the_papers_algorithm_and_its_gradient_is_the_unclipped_behaviour_ratio(tau):
+    from streamrl.correction.losses import m2po_cutoff, m2po_values
+
+    theta, b, p, adv, mask = make_batch(prox_shift=0.6)
+    expected_mask = m2po_mask_by_the_paper(p - b, adv, mask, tau)
+    values, _ = m2po_values(p - b, adv, mask)
+    assert float(values.mean()) > tau and 0 < int(expected_mask.sum()) < int(mask.sum())  # it really masks
+    cutoff = m2po_cutoff(values, tau)
+    assert float(values[values < cutoff].mean()) <= tau < float(values[values <= cutoff].mean())  # the fewest
+    grad, _, metrics = grad_of("m2po", theta, b, p, adv, mask, m2_tau=tau)
+    kept = mask & ~expected_mask
+    r_b = torch.exp(theta.detach() - b)  # no ε-clip: M2PO's trust region is the mask alone
+    torch.testing.assert_close(grad, -r_b * adv * kept / mask.sum(), rtol=1e-12, atol=1e-12)
+    assert float(metrics["masked_fraction"]) == pytest.approx(float(expected_mask.sum() / mask.sum()))
+    assert m2po_cutoff(values, 10.0) == math.inf  # within the budget: nothing masked
+
+
+def test_m2po_micro_batches_with_the_whole_batchs_cutoff_add_up_and_without_it_do_not():
+    from streamrl.correction.losses import m2po_cutoff, m2po_values
+
+    theta, b, p, adv, mask = make_batch(prox_shift=0.4, seed=4)
+    whole_t = theta.detach().clone().requires_grad_()
+    whole, _ = LOSSES["m2po"](PolicyBatch(whole_t, b, adv, mask, p))
+    whole.backward()
+    cutoff = m2po_cutoff(m2po_values(p - b, adv, mask)[0], 0.04)
+    rows = (slice(0, 1), slice(1, 3), slice(3, N))
+
+    def parts(**kwargs):
+        t = theta.detach().clone().requires_grad_()
+        total = sum(LOSSES["m2po"](PolicyBatch(t[r], b[r], adv[r], mask[r], p[r]), denominator=float(mask.sum()),
+                                   **kwargs)[0] for r in rows)
+        total.backward()
+        return total, t.grad
+
+    total, grad = parts(cutoff=cutoff)
+    torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, whole_t.grad, rtol=1e-12, atol=1e-12)
+    alone, _ = parts()  # each micro-batch's own cutoff: another mask, another loss
+    assert abs(float(alone.detach()) - float(whole.detach())) > 1e-3
+
+
+def test_gspo_gradient_is_the_sequence_ratios_with_a_truncated_sequence_weight():
+    theta, b, p, adv, mask = make_batch(spread=0.02, prox_shift=0.3, seed=2)
+    adv = adv[:, :1].expand_as(adv)  # a sequence's advantage, as GRPO gives
+    lo, hi, cap = 0.004, 0.005, 1.1
+    grad, _, metrics = grad_of("gspo", theta, b, p, adv, mask, seq_clip_low=lo, seq_clip_high=hi, is_cap=cap)
+    count = mask.sum(-1, keepdim=True)
+    s = torch.exp(torch.where(mask, theta.detach() - p, 0.0).sum(-1, keepdim=True) / count)
+    w = torch.exp(torch.where(mask, p - b, 0.0).sum(-1, keepdim=True) / count).clamp(max=cap)
+    a = adv[:, :1]
+    active = ~(s.clamp(1 - lo, 1 + hi) * a < s * a)  # the sequence's clip is not what the min picked
+    assert 0 < int(active.sum()) < N and bool((w == cap).any())  # the case clips and truncates something
+    # d/dθ_t of Σ_t' (−w s A) / Σ mask = −w A s / |y| · |y| / Σ mask (every token of the sequence alike)
+    expected = (-w * a * s * active / mask.sum()).expand_as(theta) * mask
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
+    assert 0 < float(metrics["clipped_fraction"]) < 1

@@ -96,7 +96,10 @@ class BigramBackend:
         self.optimizer.load_state_dict(saved[1])
 
     def gather_metrics(self, totals):
-        return [totals] if self.exchange is None else self.exchange.all_gather(self.rank, totals)
+        return self.all_gather(totals)
+
+    def all_gather(self, value):
+        return [value] if self.exchange is None else self.exchange.all_gather(self.rank, value)
 
 
 def padded_batch(groups=8, seed=0):
@@ -114,24 +117,29 @@ def step(backend, the_plan, batch, seed=0):
     return run_step(backend, the_plan, batch, version=0, optimizer_steps=0, rng=np.random.default_rng(seed))
 
 
-@pytest.mark.parametrize("loss", ["decoupled_ppo", "tis", "masked_is", "ppo_bypass"])
+@pytest.mark.parametrize("loss", ["decoupled_ppo", "tis", "masked_is", "ppo_bypass", "m2po", "gspo"])
 def test_the_micro_batch_cut_does_not_change_the_step(loss):
     batch = padded_batch()
     whole, cut = BigramBackend(), BigramBackend()
     m_whole = step(whole, plan(loss, micro_batch_tokens=8192), batch)
     m_cut = step(cut, plan(loss, micro_batch_tokens=12), batch)
     assert len(cut.calls[-1][1]) > 4 > len(whole.calls[-1][1])  # many micro-batches against one or two
-    torch.testing.assert_close(whole.model.table, cut.model.table, atol=1e-12, rtol=0)
+    # gspo: one weight per sequence, gradient entries that nearly cancel; AdamW's normalisation turns the
+    # summation order of micro-batches into 1e-9 (the other losses agree to 1e-12)
+    atol = 1e-8 if loss == "gspo" else 1e-12
+    torch.testing.assert_close(whole.model.table, cut.model.table, atol=atol, rtol=0)
+    if loss == "m2po":
+        assert 0 < m_whole["masked_fraction"] < 1  # the mask is really at work
     assert m_whole.keys() == m_cut.keys()
     for name in m_whole:
         assert m_whole[name] == pytest.approx(m_cut[name], rel=1e-6, abs=1e-12), name  # reported in float32
 
 
-@pytest.mark.parametrize("minibatches", [1, 2])
-def test_two_data_parallel_ranks_take_exactly_the_one_rank_step(minibatches):
+@pytest.mark.parametrize("minibatches, loss", [(1, "decoupled_ppo"), (2, "decoupled_ppo"), (1, "m2po"), (2, "m2po")])
+def test_two_data_parallel_ranks_take_exactly_the_one_rank_step(minibatches, loss):
     """Each rank trains on its half of each mini-batch's groups with the loss over the whole mini-batch's
     tokens; the summed gradient, the weights after the step and the merged metrics are the one rank's."""
-    batch, the_plan = padded_batch(), plan(minibatches=minibatches)
+    batch, the_plan = padded_batch(), plan(loss, minibatches=minibatches)
     alone = BigramBackend()
     expected = step(alone, the_plan, batch)
     exchange = Exchange(2)
@@ -164,6 +172,7 @@ def test_every_row_is_trained_once_per_step_and_p_is_taken_before_the_first_opti
     ("decoupled_ppo", 1, []),  # one optimizer step: p is θ.detach(), no extra pass
     ("decoupled_ppo", 2, ["logprobs"]),
     ("reinforce", 2, []),  # a loss that never reads p
+    ("m2po", 1, ["logprobs"]),  # its mask needs the whole batch's p before the first gradient
 ])
 def test_no_grad_passes_run_only_when_the_loss_reads_them(loss, minibatches, passes):
     backend = BigramBackend()
