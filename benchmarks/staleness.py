@@ -34,9 +34,14 @@ from streamrl.runtime.launch import launch, prepare
 # Four PPO mini-batches per consumed batch: the regime in which the corrections differ (with one
 # optimizer step per batch the proximal policy is θ itself and decoupled PPO is truncated IS, see
 # streamrl/trainer/torch_trainer.py), and the tiny model learns ~2× more per step.
-FULL = {"etas": [0, 2, 4, 8], "corrections": ["naive", "tis", "decoupled_ppo"], "seeds": [0, 1, 2, 3], "steps": 150,
-        "minibatches": 4}
-QUICK = {"etas": [0, 4, 8], "corrections": ["naive", "decoupled_ppo"], "seeds": [0], "steps": 150, "minibatches": 4}
+FULL = {"etas": [0, 2, 4, 8, "auto"], "corrections": ["naive", "decoupled_ppo", "m2po", "gspo"], "seeds": [0, 1, 2, 3],
+        "steps": 150, "minibatches": 4}
+QUICK = {"etas": [0, 4, "auto"], "corrections": ["decoupled_ppo", "m2po"], "seeds": [0, 1], "steps": 100,
+         "minibatches": 4}
+TARGETS = [("best_eta4_over_eta0", ">=", 0.95), ("auto_time_to_target_over_sync", "<=", 0.5),
+           ("auto_final_over_eta0", ">=", 0.95)]
+TARGET_FRACTION = 0.8  # the target reward: this fraction of the η = 0 runs' final reward
+CORRECTIONS = ["naive", "tis", "decoupled_ppo", "masked_is", "ppo_bypass", "reinforce", "m2po", "gspo"]
 # ESS is of the weights a loss applies (1 for naive, which applies none); KL(behaviour → proximal)
 # describes the data's off-policyness whatever the objective.
 LOSS_METRICS = ("ess", "kl_behavior_proximal", "clipped_fraction", "truncated_fraction", "masked_fraction")
@@ -47,13 +52,37 @@ def final_mean(values: list[float]) -> float:
     return float(np.mean(values[-tail:]))
 
 
-def run_one(root: str, eta: int, correction: str, seed: int, steps: int, minibatches: int, producers: int,
+def eta_order(eta: str) -> tuple[int, int]:
+    """Fixed budgets in order, then "auto"."""
+    return (1, 0) if eta == "auto" else (0, int(eta))
+
+
+def parse_eta(text: str) -> int | str:
+    return "auto" if text == "auto" else int(text)
+
+
+def smoothed(rewards: list[float], window: int = 10) -> np.ndarray:
+    """The trailing mean of the last `window` steps' rewards (fewer at the start)."""
+    values = np.asarray(rewards, dtype=float)
+    sums = np.cumsum(values)
+    counts = np.minimum(np.arange(1, len(values) + 1), window)
+    return (sums - np.concatenate([np.zeros(window), sums[:-window]])[:len(values)]) / counts
+
+
+def time_to(curve: dict[str, list[float]], target: float) -> float | None:
+    """Wall-clock seconds until the 10-step mean reward first reaches `target` (None: never)."""
+    reached = np.nonzero(smoothed(curve["reward"]) >= target)[0]
+    return float(curve["elapsed_s"][reached[0]]) if len(reached) else None
+
+
+def run_one(root: str, eta: int | str, correction: str, seed: int, steps: int, minibatches: int, producers: int,
             overrides: list[str]) -> dict[str, Any]:
     name = f"eta{eta}-{correction}-seed{seed}"
     config, run_dir, _ = prepare(None, [
         f"run.steps={steps}", f"run.seed={seed}", "run.eval_every=0", "run.checkpoint_every=0",
         "run.time_limit_s=null", f"run.output_dir='{root}'", f"run.name='{name}'", "logging.progress='none'",
-        f"queue.max_staleness={eta}", f"loss.name='{correction}'", f"trainer.minibatches={minibatches}",
+        f"queue.max_staleness={eta!r}" if eta == "auto" else f"queue.max_staleness={eta}",
+        f"loss.name='{correction}'", f"trainer.minibatches={minibatches}",
         f"producers.count={producers}",
         f"producers.num_cpus={1 / producers:.4f}", *overrides])
     summary = launch(config, run_dir)
@@ -69,14 +98,17 @@ def run_one(root: str, eta: int, correction: str, seed: int, steps: int, minibat
         "wall_s": metrics[-1]["elapsed_s"], "over_budget": summary["queue"]["over_budget"],
         **{f"{k}_mean": float(np.mean([m[k] for m in metrics])) for k in LOSS_METRICS},
         "curve": {"step": [m["step"] for m in metrics], "reward": rewards,
-                  "elapsed_s": [m["elapsed_s"] for m in metrics]},
+                  "elapsed_s": [m["elapsed_s"] for m in metrics], "eta": [m["max_staleness"] for m in metrics]},
     }
 
 
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """results[eta][correction], each over its seeds."""
     results: dict[str, dict[str, Any]] = {}
+    on_policy = [r["final_reward"] for r in runs if r["eta"] == 0]
+    target = TARGET_FRACTION * float(np.mean(on_policy)) if on_policy else None
     for run in runs:
+        run["time_to_target_s"] = None if target is None else time_to(run["curve"], target)
         results.setdefault(str(run["eta"]), {}).setdefault(run["correction"], []).append(run)
     for by_correction in results.values():
         for correction, seeds in by_correction.items():
@@ -95,6 +127,11 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 "staleness_mean": float(np.mean([r["staleness_mean"] for r in seeds])),
                 "staleness_max": max(r["staleness_max"] for r in seeds),
                 "wall_s_mean": float(np.mean([r["wall_s"] for r in seeds])),
+                "target_reward": target,
+                # seeds that never reach the target count as the whole run's wall time (a lower bound)
+                "time_to_target_s_mean": float(np.mean([r["wall_s"] if r["time_to_target_s"] is None
+                                                        else r["time_to_target_s"] for r in seeds])),
+                "reached_target": sum(r["time_to_target_s"] is not None for r in seeds),
                 **{f"{k}_mean": float(np.mean([r[f"{k}_mean"] for r in seeds])) for k in LOSS_METRICS},
                 "runs": seeds,
             }
@@ -128,6 +165,46 @@ def expectations(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def headline(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's three figures, each per correction and for the best one: η = 4 ÷ η = 0 final reward
+    (same objective; the standard error by the delta method), auto's time to the target ÷ the
+    synchronous run's, auto's final reward ÷ η = 0's."""
+    def ratio(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
+        r = a["final_reward_mean"] / b["final_reward_mean"]
+        return r, abs(r) * float(np.hypot(a["final_reward_sem"] / a["final_reward_mean"],
+                                          b["final_reward_sem"] / b["final_reward_mean"]))
+
+    sync, eta4, auto = results.get("0", {}), results.get("4", {}), results.get("auto", {})
+    per: dict[str, dict[str, float]] = {}
+    for correction in sorted(set(sync) | set(eta4) | set(auto)):
+        if correction not in sync:
+            continue
+        row: dict[str, float] = {}
+        if correction in eta4:
+            row["eta4_over_eta0"], row["eta4_over_eta0_se"] = ratio(eta4[correction], sync[correction])
+        if correction in auto:
+            row["auto_final_over_eta0"], _ = ratio(auto[correction], sync[correction])
+            row["auto_time_to_target_over_sync"] = (auto[correction]["time_to_target_s_mean"]
+                                                    / sync[correction]["time_to_target_s_mean"])
+        per[correction] = row
+    out: dict[str, Any] = {"per_correction": per}
+    corrected = {c: r for c, r in per.items() if c != "naive"}
+    if any("eta4_over_eta0" in r for r in corrected.values()):
+        best = max((c for c in corrected if "eta4_over_eta0" in corrected[c]),
+                   key=lambda c: corrected[c]["eta4_over_eta0"])
+        out.update(best_eta4_correction=best, best_eta4_over_eta0=corrected[best]["eta4_over_eta0"],
+                   best_eta4_over_eta0_se=corrected[best]["eta4_over_eta0_se"])
+    if any("auto_final_over_eta0" in r for r in corrected.values()):
+        best = max((c for c in corrected if "auto_final_over_eta0" in corrected[c]),
+                   key=lambda c: corrected[c]["auto_final_over_eta0"])
+        out.update(auto_correction=best, auto_final_over_eta0=corrected[best]["auto_final_over_eta0"],
+                   auto_time_to_target_over_sync=corrected[best]["auto_time_to_target_over_sync"])
+    out["targets"] = {name: {"measured": out[name], "target": f"{op} {bound}",
+                             "met": out[name] >= bound if op == ">=" else out[name] <= bound}
+                      for name, op, bound in TARGETS if name in out}
+    return out
+
+
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -137,7 +214,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(13, 4.8))
     styles = {"naive": ":", "tis": "--", "decoupled_ppo": "-"}
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, eta in enumerate(sorted(results, key=int)):
+    for i, eta in enumerate(sorted(results, key=eta_order)):
         for correction, cell in sorted(results[eta].items()):
             curves = [r["curve"] for r in cell["runs"]]
             length = min(len(c["reward"]) for c in curves)
@@ -162,9 +239,9 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
 def print_table(results: dict[str, dict[str, Any]], console: Console) -> None:
     table = Table(title="learning under staleness (final reward = mean of the last 10% of steps)")
     for column in ("η", "correction", "final reward", "± std", "mean reward", "eval acc", "staleness mean / max", "ESS",
-                   "KL(b→p)", "clipped", "truncated", "masked", "wall s"):
+                   "KL(b→p)", "clipped", "truncated", "masked", "to target s", "wall s"):
         table.add_column(column, justify="right")
-    for eta in sorted(results, key=int):
+    for eta in sorted(results, key=eta_order):
         for correction, c in sorted(results[eta].items()):
             accuracy = "—" if c["eval_accuracy_mean"] is None else f"{c['eval_accuracy_mean']:.0%}"
             table.add_row(eta, correction, f"{c['final_reward_mean']:.3f}", f"{c['final_reward_std']:.3f}",
@@ -172,6 +249,7 @@ def print_table(results: dict[str, dict[str, Any]], console: Console) -> None:
                           f"{c['staleness_mean']:.2f} / {c['staleness_max']}", f"{c['ess_mean']:.3f}",
                           f"{c['kl_behavior_proximal_mean']:.4f}", f"{c['clipped_fraction_mean']:.1%}",
                           f"{c['truncated_fraction_mean']:.1%}", f"{c['masked_fraction_mean']:.1%}",
+                          f"{c['time_to_target_s_mean']:.0f} ({c['reached_target']}/{len(c['runs'])})",
                           f"{c['wall_s_mean']:.0f}")
     console.print(table)
 
@@ -179,9 +257,8 @@ def print_table(results: dict[str, dict[str, Any]], console: Console) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"the quick grid: {QUICK}")
-    parser.add_argument("--etas", type=int, nargs="+")
-    parser.add_argument("--corrections", nargs="+", choices=["naive", "tis", "decoupled_ppo", "masked_is",
-                                                             "ppo_bypass", "reinforce"])
+    parser.add_argument("--etas", type=parse_eta, nargs="+", help='budgets η, "auto" among them')
+    parser.add_argument("--corrections", nargs="+", choices=CORRECTIONS)
     parser.add_argument("--seeds", type=int, nargs="+")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--minibatches", type=int, help="optimizer steps per consumed batch (trainer.minibatches)")
@@ -216,13 +293,15 @@ def main() -> None:
     results = aggregate(runs)
     print_table(results, console)
     checks = expectations(results)
+    figures = headline(results)
+    console.print(f"headline: {figures}")
     for name, check in checks.items():
         console.print(f"expectation {name}: {'held' if check['held'] else 'did not hold'} ({check})")
     report = finish("staleness", out, workload={"task": "reverse (built-in)", "producers": args.producers,
                                                 "overrides": args.set, **grid},
                     results=results, targets=[], headline=[],
                     baseline=BASELINES / f"baseline_{out.stem}.json",
-                    extra={"expectations": checks, "wall_s": time.time() - started})
+                    extra={"expectations": checks, "headline": figures, "wall_s": time.time() - started})
     plot(report["results"], out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.png')}")
 

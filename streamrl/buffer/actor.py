@@ -79,6 +79,12 @@ class QueueActor:
     def set_version(self, version: int) -> None:
         self.queue.set_version(version)
 
+    def set_max_staleness(self, eta: int) -> None:
+        before = self.queue.max_staleness
+        self.queue.set_max_staleness(eta)
+        if eta != before:
+            log.info("max_staleness %s -> %s at version %s", before, eta, self.queue.version)
+
     def pause(self, hold: str = OPERATOR_HOLD) -> bool:
         changed = self.queue.pause(hold)
         log.info("admission paused by %s%s", hold, "" if changed else " (already held)")

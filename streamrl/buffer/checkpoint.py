@@ -155,6 +155,8 @@ def load_queue(directory: str | Path, config: QueueConfig | None = None,
             table = pa.ipc.open_file(source).read_all()
         groups = _restore_groups(manifest, table, config, wrap)
         snap = {key: manifest[key] for key in ("version", "holds", "counters", "prompt_cursor", "returned_prompts")}
+        if "max_staleness" in manifest:  # written since the budget can move (queue.max_staleness = "auto")
+            snap["max_staleness"] = manifest["max_staleness"]
         snap["ticket_states"] = (directory / STATES_FILE).read_bytes()
         snap["groups"] = groups
         return ReplayQueue.from_snapshot(config, snap)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class QueueConfig(BaseModel):
@@ -18,8 +19,28 @@ class QueueConfig(BaseModel):
     groups_per_step: int = Field(32, ge=1)
     """B: groups the trainer consumes per optimizer step."""
 
-    max_staleness: int = Field(1, ge=0)
-    """η: a group consumed at trainer version v was sampled by versions >= v - η. 0 is on-policy."""
+    max_staleness: Annotated[int, Field(ge=0)] | Literal["auto"] = 1
+    """η: a group consumed at trainer version v was sampled by versions >= v - η. 0 is on-policy.
+    `"auto"`: η moves within [auto_min, auto_max], chosen each step from what the data says
+    (`streamrl.buffer.auto`); the bound holds for the η in force."""
+
+    auto_min: int = Field(0, ge=0)
+    """auto: the smallest η (and the first)."""
+    auto_max: int = Field(8, ge=0)
+    """auto: the largest η."""
+    auto_ess_min: float = Field(0.9, gt=0, le=1)
+    """auto: η falls while the smoothed effective sample size of the importance weights is below this."""
+    auto_kl_max: float = Field(0.05, gt=0)
+    """auto: η falls while the smoothed KL(behaviour → proximal) is above this."""
+    auto_mask_max: float = Field(0.1, gt=0)
+    """auto: η falls while the smoothed clipped + masked fraction of tokens is above this."""
+    auto_wait_min: float = Field(0.05, ge=0, lt=1)
+    """auto: η rises while the trainer waits for data more than this fraction of its step (and the
+    data is not too off-policy): more staleness buys throughput only then."""
+    auto_cooldown: int = Field(2, ge=1)
+    """auto: steps between two changes of η."""
+    auto_smoothing: float = Field(0.3, gt=0, le=1)
+    """auto: the weight of the newest step in the signals' exponential moving average."""
 
     max_in_flight: int = Field(64, ge=1)
     """Groups admitted but not yet committed, over all producers."""
@@ -46,12 +67,36 @@ class QueueConfig(BaseModel):
     ticket_timeout_s: float | None = Field(None, gt=0)
     """A group running longer than this is abandoned (its prompt goes back) and its ticket expires."""
 
+    @field_validator("max_staleness", mode="before")
+    @classmethod
+    def _budget(cls, value: object) -> object:
+        """One message for a bad budget, not one per member of the union."""
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise PydanticCustomError("staleness_budget", 'Input should be an integer >= 0, or "auto"')
+
     @model_validator(mode="after")
     def _in_flight_can_fill_a_step(self) -> QueueConfig:
         # Fewer slots than one step's groups would make the trainer wait forever at η = 0.
-        if self.max_in_flight < self.groups_per_step and self.max_staleness == 0:
+        if self.auto_min > self.auto_max:
+            raise ValueError(f"auto_min={self.auto_min} must not exceed auto_max={self.auto_max}")
+        if self.max_in_flight < self.groups_per_step and self.eta_start == 0:
             raise ValueError(
                 f"max_in_flight={self.max_in_flight} < groups_per_step={self.groups_per_step} with "
                 "max_staleness=0: a synchronous step could never be filled"
             )
         return self
+
+    @property
+    def auto(self) -> bool:
+        return self.max_staleness == "auto"
+
+    @property
+    def eta_start(self) -> int:
+        """The η in force when the queue starts."""
+        return self.auto_min if self.max_staleness == "auto" else self.max_staleness
+
+    @property
+    def eta_bound(self) -> int:
+        """The largest η that can ever be in force."""
+        return self.auto_max if self.max_staleness == "auto" else self.max_staleness

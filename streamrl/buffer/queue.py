@@ -106,6 +106,7 @@ class TrainGroups:
     version: int
     groups: list[QueuedGroup]
     staleness: list[int]
+    max_staleness: int  # η in force when they were handed out: the bound they were held to
 
 
 class ReplayQueue:
@@ -124,6 +125,8 @@ class ReplayQueue:
         # Handed to the trainer at the current version, not trained yet (set_version clears): a snapshot
         # taken now queues them again, since the weights they would have trained are not in it.
         self._in_training: list[QueuedGroup] = []
+        self._in_training_over = 0  # of them, counted over budget when handed out (over_budget="train")
+        self._eta = config.eta_start  # the staleness budget in force (`set_max_staleness` moves it)
         self._queued_tokens = 0
         self._next_prompt = 0
         self._returned: deque[int] = deque()
@@ -199,13 +202,13 @@ class ReplayQueue:
         if self._holds:
             return 0, "paused"
         if weights_version is not None and not weights_fresh_enough(
-                trainer_version=self._version, max_staleness=cfg.max_staleness,
+                trainer_version=self._version, max_staleness=self._eta,
                 weights_version=weights_version):
             return 0, "stale_weights"
         if self._queued_tokens >= cfg.capacity_tokens:
             return 0, "capacity"
         in_flight = cfg.max_in_flight - len(self._running)
-        rule = dict(trainer_version=self._version, max_staleness=cfg.max_staleness,
+        rule = dict(trainer_version=self._version, max_staleness=self._eta,
                     groups_per_step=cfg.groups_per_step, admitted_live=self.admitted_live)
         budget = admission_budget(**rule, weights_version=weights_version)
         if budget <= 0:
@@ -368,9 +371,11 @@ class ReplayQueue:
                     ages = [staleness(self._version, g.min_version) for g in groups]
                     self.counters["consumed"] += wanted
                     # Only reachable with over_budget="train": the others were regenerated above.
-                    self.counters["over_budget"] += sum(age > self.config.max_staleness for age in ages)
+                    over = sum(age > self._eta for age in ages)
+                    self.counters["over_budget"] += over
+                    self._in_training_over += over
                     self._cond.notify_all()
-                    return TrainGroups(self._version, groups, ages)
+                    return TrainGroups(self._version, groups, ages, self._eta)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
@@ -386,7 +391,7 @@ class ReplayQueue:
     def _handle_over_budget(self) -> None:
         if self.config.over_budget == "train":
             return  # counted when handed out, in get()
-        limit = self._version - self.config.max_staleness
+        limit = self._version - self._eta
         while self._heap and self._heap[0][0] < limit:
             _, group_id = heapq.heappop(self._heap)
             group = self._queued.pop(group_id)
@@ -403,9 +408,31 @@ class ReplayQueue:
                 raise ValueError(f"version {version} is older than the current version {self._version}")
             if version > self._version:
                 self._in_training.clear()  # trained: the new weights contain them
+                self._in_training_over = 0
             self._version = version
             self._handle_over_budget()
             self._cond.notify_all()
+
+    def set_max_staleness(self, eta: int) -> None:
+        """Put η in force (`queue.max_staleness = "auto"`: within [auto_min, auto_max]). Admission follows
+        the new η at once; a queued group it leaves over budget is handled as any other (regenerated,
+        its prompt given back, or trained and counted); a running one when it is queued."""
+        cfg = self.config
+        if not cfg.auto:
+            raise ValueError(f"queue.max_staleness is fixed at {cfg.max_staleness}; "
+                             "only queue.max_staleness = \"auto\" lets it move")
+        if isinstance(eta, bool) or not isinstance(eta, int) or not cfg.auto_min <= eta <= cfg.auto_max:
+            raise ValueError(f"max_staleness {eta!r} is outside [auto_min, auto_max] = "
+                             f"[{cfg.auto_min}, {cfg.auto_max}]")
+        with self._lock:
+            self._eta = eta
+            self._handle_over_budget()
+            self._cond.notify_all()
+
+    @property
+    def max_staleness(self) -> int:
+        """The η in force."""
+        return self._eta
 
     @property
     def version(self) -> int:
@@ -451,6 +478,7 @@ class ReplayQueue:
                 by_staleness[s] = by_staleness.get(s, 0) + 1
             return {
                 "version": self._version,
+                "max_staleness": self._eta,
                 "paused": bool(self._holds),
                 "holds": sorted(self._holds),
                 "closed": self._closed,
@@ -461,7 +489,7 @@ class ReplayQueue:
                 "in_training": len(self._in_training),
                 "admitted_live": self.admitted_live,
                 "admission_budget": admission_budget(
-                    trainer_version=self._version, max_staleness=self.config.max_staleness,
+                    trainer_version=self._version, max_staleness=self._eta,
                     groups_per_step=self.config.groups_per_step, admitted_live=self.admitted_live),
                 "blocked_by": self._blocked_by,
                 "returned_prompts": len(self._returned),
@@ -482,10 +510,10 @@ class ReplayQueue:
                 states[group.group_id] = QUEUED
             counters["consumed"] -= len(self._in_training)
             # over_budget="train" counted them when handed out; they will be counted again then
-            counters["over_budget"] -= sum(staleness(self._version, g.min_version) > self.config.max_staleness
-                                           for g in self._in_training)
+            counters["over_budget"] -= self._in_training_over
             return {
                 "version": self._version,
+                "max_staleness": self._eta,
                 "holds": sorted(self._holds),
                 "counters": counters,
                 "prompt_cursor": self._next_prompt,
@@ -504,6 +532,8 @@ class ReplayQueue:
         for hold in snap["holds"]:
             _check_hold_name(hold)
         queue._version = snap["version"]
+        if config.auto and "max_staleness" in snap:  # a fixed η is the config's, frozen on resume
+            queue.set_max_staleness(snap["max_staleness"])
         queue._holds = set(snap["holds"])
         queue._next_prompt = snap["prompt_cursor"]
         queue._returned.extend(snap["returned_prompts"])

@@ -69,7 +69,7 @@ class ProducerActor:
                                    weights=self.weights, search_path=search_path, work_dir=work_dir)
         self.producer = RolloutProducer(producer_id, queue=RemoteQueue(get_queue_actor(run_name), producer_id),
                                         engine=engine, task=task, group_size=cfg.queue.group_size,
-                                        max_staleness=cfg.queue.max_staleness)
+                                        max_staleness=cfg.queue.eta_bound)
         self._stop = threading.Event()
         log.info("producer %s started (pid %s): %s engine, capacity %s sequences, seed %s", producer_id, os.getpid(),
                  cfg.producers.engine, engine.capacity, seed)
@@ -162,6 +162,7 @@ class StepResult:
     reward_mean: float
     staleness_mean: float
     staleness_max: int
+    max_staleness: int  # η in force when the queue handed the groups out (moves with queue.max_staleness = "auto")
     trainer_wait_s: float  # waiting for the queue: what generation did not hide
     audit: GroupAudit
     metrics: dict[str, float]  # the learner's (loss, clip and mask fractions, ...) and the step's phases
@@ -237,6 +238,7 @@ class TrainerShell:
             reward_mean=float(rewards.mean()),
             staleness_mean=float(np.mean(groups.staleness)),
             staleness_max=int(max(groups.staleness)),
+            max_staleness=groups.max_staleness,
             trainer_wait_s=waited,
             audit=GroupAudit(group_ids=[g.group_id for g in groups.groups],
                              prompt_ids=[g.prompt_id for g in groups.groups],

@@ -30,6 +30,7 @@ import ray
 
 from streamrl import failpoints, logs
 from streamrl.buffer.actor import NAMESPACE, create_queue_actor
+from streamrl.buffer.auto import AutoStaleness
 from streamrl.config import ConfigError, RunConfig
 from streamrl.runtime.actors import StepResult, TrainerActor
 from streamrl.runtime.clients import create_actor
@@ -121,6 +122,7 @@ class Run:
         self._started = time.perf_counter()  # reset when training starts
         self._last_end = self._started  # when the last recorded step returned
         self._view: ProgressView | None = None
+        self.auto: AutoStaleness | None = None  # queue.max_staleness = "auto": chooses η after each step
 
     @property
     def queue(self) -> ray.actor.ActorHandle:
@@ -174,7 +176,10 @@ class Run:
         if version != self.start_step:
             raise RunDirError(f"the checkpoint's trainer is at version {version}, its metadata says step "
                               f"{self.start_step}")
-        queue_version = ray.get(actors.queue.status.remote())["version"]
+        queue_status = ray.get(actors.queue.status.remote())
+        queue_version = queue_status["version"]
+        if cfg.queue.auto:  # from the η the queue holds (a checkpoint's, on resume)
+            self.auto = AutoStaleness(cfg.queue, eta=queue_status["max_staleness"])
         if queue_version != version:
             raise RunDirError(f"the checkpoint's queue is at version {queue_version}, its trainer at {version}")
         self.producers.start_all()
@@ -299,13 +304,21 @@ class Run:
             "running_groups": queue["running"],
             "admitted": queue["admitted"],
             "over_budget": queue["over_budget"],
+            "max_staleness": result.max_staleness,  # η in force when this step's groups were taken
         }
+        decision, eta_before = None, None
+        if self.auto is not None:
+            eta_before, decision = self.auto.eta, self.auto.update(metrics)
+            metrics.update(auto_eta=decision.eta, auto_reason=decision.reason,
+                           **{f"auto_{name}": value for name, value in decision.signals.items()})
         with interrupts_deferred():
             self.run_dir.append(METRICS_FILE, metrics)
             self.run_dir.append(GROUPS_FILE, {"step": step, "staleness_max": metrics["staleness_max"],
                                               **dataclasses.asdict(result.audit)})
             self.step, self.trained_tokens, self.last_metrics = step, trained_tokens, metrics
             self._pending = None
+        if decision is not None and decision.eta != eta_before:
+            ray.get(self.queue.set_max_staleness.remote(decision.eta))  # admission follows at once
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=self.step)
 

@@ -45,8 +45,9 @@ def summarize(run_dir: RunDir, config: RunConfig, *, stopped_by: str | None, fin
     rewards = np.array([m["reward_mean"] for m in metrics])
     first_reward, last_reward = _fraction_mean(rewards, True), _fraction_mean(rewards, False)
     first_eval = evals[0] if evals else {}
-    eta = config.queue.max_staleness
+    eta = config.queue.max_staleness  # an int, or "auto": each step records the η in force
     staleness_max = max((m["staleness_max"] for m in metrics), default=0)
+    bound_held = all(m["staleness_max"] <= m.get("max_staleness", eta) for m in metrics)
     gain = None if first_reward is None else last_reward - first_reward
     accuracy_first, accuracy_last = first_eval.get("eval_accuracy"), final_eval.get("eval_accuracy")
     return {
@@ -55,10 +56,10 @@ def summarize(run_dir: RunDir, config: RunConfig, *, stopped_by: str | None, fin
         "stopped_by": stopped_by,
         "steps": metrics[-1]["step"] if metrics else 0,
         "elapsed_s": metrics[-1]["elapsed_s"] if metrics else 0.0,
-        "schedule": "synchronous" if eta == 0 else "asynchronous",
+        "schedule": "auto" if eta == "auto" else "synchronous" if eta == 0 else "asynchronous",
         "max_staleness": eta,
         "staleness_max": staleness_max,
-        "staleness_bound_held": staleness_max <= eta,
+        "staleness_bound_held": bound_held,
         "staleness_mean": float(np.mean([m["staleness_mean"] for m in metrics])) if metrics else 0.0,
         "reward_first_10pct": first_reward,
         "reward_last_10pct": last_reward,

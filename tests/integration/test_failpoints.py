@@ -166,7 +166,7 @@ def test_a_ctrl_c_while_a_step_is_recorded_leaves_its_metrics_audit_and_counter_
         real_append(name, record)
 
     monkeypatch.setattr(run_dir, "append", interrupted_append)
-    result = StepResult(version=1, trained_tokens=40, reward_mean=0.5, staleness_mean=0.0, staleness_max=0,
+    result = StepResult(version=1, trained_tokens=40, reward_mean=0.5, staleness_mean=0.0, staleness_max=0, max_staleness=1,
                         trainer_wait_s=0.1, metrics={"loss": 0.2},
                         audit=GroupAudit(group_ids=["g"], prompt_ids=[3], producer_ids=[0], staleness=[0]))
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)

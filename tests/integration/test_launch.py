@@ -12,7 +12,7 @@ import time
 import pytest
 import ray
 from checkout import FAKE_SGLANG
-from launching import run_tiny, tiny
+from launching import resume_tiny, run_tiny, tiny
 
 from streamrl.buffer import load_queue
 from streamrl.cli import main
@@ -398,3 +398,18 @@ def test_a_file_task_with_a_missing_reward_module_is_refused_before_anything_sta
         prepare(None, tiny(tmp_path, "nofn", "task.kind=file", f"task.prompts={json.dumps(str(tmp_path / 'p.jsonl'))}",
                            "task.reward=nowhere:f", f"model.path={json.dumps(str(tiny_model_dir))}"))
     assert not (tmp_path / "nofn").exists()
+
+
+def test_auto_staleness_moves_eta_within_its_range_logs_each_decision_and_resumes_with_it(ray_local, tmp_path):
+    summary, run_dir = run_tiny(tmp_path, "auto", "run.steps=12", "queue.max_staleness=auto", "queue.auto_max=3",
+                                "queue.auto_cooldown=1", "producers.count=2")
+    metrics = run_dir.read("metrics.jsonl")
+    assert all({"max_staleness", "auto_eta", "auto_reason", "auto_wait_fraction"} <= set(m) for m in metrics)
+    assert all(0 <= m["auto_eta"] <= 3 and m["staleness_max"] <= m["max_staleness"] for m in metrics)
+    assert len({m["max_staleness"] for m in metrics}) > 1  # it moved (the trainer waits for 2 tiny producers)
+    assert summary["schedule"] == "auto" and summary["max_staleness"] == "auto" and summary["staleness_bound_held"]
+    saved = load_queue(run_dir.latest_checkpoint() / "queue")
+    assert saved.max_staleness == metrics[-1]["auto_eta"]  # the η in force goes into the checkpoint
+    resumed = resume_tiny(run_dir, "run.steps=14")
+    after = run_dir.read("metrics.jsonl")[len(metrics):]
+    assert resumed["staleness_bound_held"] and after[0]["max_staleness"] == saved.max_staleness

@@ -40,13 +40,17 @@ class QueueSchedule(RuleBasedStateMachine):
         group_size=st.integers(1, 3), groups_per_step=st.integers(1, 4), max_staleness=st.integers(0, 3),
         extra_in_flight=st.integers(0, 6), capacity_tokens=st.sampled_from([40, 200, 100_000]),
         over_budget=st.sampled_from(["regenerate", "train"]), seed=st.integers(0, 2**16),
-        admission=st.sampled_from(["continuous", "per_step"]),
+        admission=st.sampled_from(["continuous", "per_step"]), auto=st.booleans(), auto_span=st.integers(0, 3),
     )
     def setup(self, group_size, groups_per_step, max_staleness, extra_in_flight, capacity_tokens, over_budget, seed,
-              admission):
-        self.cfg = QueueConfig(group_size=group_size, groups_per_step=groups_per_step, max_staleness=max_staleness,
+              admission, auto, auto_span):
+        # auto: η moves within [auto_min, auto_max] = [max_staleness, max_staleness + auto_span] (`set_eta`)
+        self.cfg = QueueConfig(group_size=group_size, groups_per_step=groups_per_step,
+                               max_staleness="auto" if auto else max_staleness, auto_min=max_staleness,
+                               auto_max=max_staleness + auto_span,
                                max_in_flight=groups_per_step + extra_in_flight, capacity_tokens=capacity_tokens,
                                over_budget=over_budget, vocab_size=32, admission=admission)
+        self.eta = self.eta_ever = max_staleness  # in force, and the largest ever in force
         self.queue = ReplayQueue(self.cfg)
         self.rng = np.random.default_rng(seed)
         self.held = {p: {} for p in range(PRODUCERS)}  # producer -> ticket id -> ticket
@@ -70,6 +74,9 @@ class QueueSchedule(RuleBasedStateMachine):
         adm = self.queue.admit(producer, n, weights_version=self.weights[producer])
         if paused:
             assert adm.tickets == [] and adm.blocked_by == "paused"
+        if adm.tickets:  # the staleness formula for the η in force, with the producer's weights
+            base = min(self.queue.version, self.weights[producer])
+            assert self.queue.status()["admitted_live"] <= (base + self.eta + 1) * self.cfg.groups_per_step
         for ticket in adm.tickets:
             self.held[producer][ticket.ticket_id] = ticket
 
@@ -159,12 +166,12 @@ class QueueSchedule(RuleBasedStateMachine):
         assert got.version == self.queue.version and len(got.groups) == self.cfg.groups_per_step
         # oldest version first, equal versions in admission (ticket) order, whatever the commit order
         eligible = sorted(k for k in queued if self.cfg.over_budget == "train"
-                          or self.queue.version - k[0] <= self.cfg.max_staleness)
+                          or self.queue.version - k[0] <= self.eta)
         assert [(g.min_version, g.group_id) for g in got.groups] == eligible[:len(got.groups)]
         for group, age in zip(got.groups, got.staleness):
             self.consumed_prompts.append(group.prompt_id)
-            self.consumed_over_budget += age > self.cfg.max_staleness
-            self.in_training.append((group, age > self.cfg.max_staleness))
+            self.consumed_over_budget += age > self.eta
+            self.in_training.append((group, age > self.eta))
         assert assemble(got.groups).num_rows == self.cfg.groups_per_step * self.cfg.group_size
 
     @precondition(lambda self: self.in_training)
@@ -179,6 +186,15 @@ class QueueSchedule(RuleBasedStateMachine):
             self.take_step()
         if self.in_training:
             self.finish_step()
+
+    @precondition(lambda self: self.cfg.auto)
+    @rule(data=st.data())
+    def set_eta(self, data):
+        """The auto controller moves η (any η of the range, at any moment: between get and set_version too)."""
+        self.eta = data.draw(st.integers(self.cfg.auto_min, self.cfg.auto_max))
+        self.queue.set_max_staleness(self.eta)
+        self.eta_ever = max(self.eta_ever, self.eta)
+        assert self.queue.status()["max_staleness"] == self.eta
 
     @rule(name=st.sampled_from(HOLDS))
     def pause(self, name):
@@ -250,7 +266,9 @@ class QueueSchedule(RuleBasedStateMachine):
             return
         s = self.queue.status()
         assert s["running"] <= self.cfg.max_in_flight
-        assert s["admitted_live"] <= (s["version"] + self.cfg.max_staleness + 1) * self.cfg.groups_per_step
+        # admitted under the largest η in force so far (a lowered η closes admission, it recalls nothing)
+        assert s["admitted_live"] <= (s["version"] + self.eta_ever + 1) * self.cfg.groups_per_step
+        assert s["max_staleness"] == self.eta
         if self.cfg.admission == "per_step":  # running groups never span two steps' batches
             assert s["running"] <= self.cfg.groups_per_step
 
@@ -263,7 +281,7 @@ class QueueSchedule(RuleBasedStateMachine):
             assert self.consumed_over_budget == s["over_budget"]
         else:
             assert self.consumed_over_budget == 0
-        assert all(age <= self.cfg.max_staleness for age in s["queued_staleness"]) or self.cfg.over_budget == "train"
+        assert all(age <= self.eta for age in s["queued_staleness"]) or self.cfg.over_budget == "train"
 
 
 QueueSchedule.TestCase.settings = settings(

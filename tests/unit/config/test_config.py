@@ -29,7 +29,7 @@ def test_toml_file_plus_overrides_and_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["queue.max_staleness=-1"], r"queue\.max_staleness: Input should be greater than or equal to 0 \(got -1\)"),
+    (["queue.max_staleness=-1"], r"queue\.max_staleness: Input should be an integer >= 0, or \"auto\" \(got -1\)"),
     (["trainer.lr=fast"], r"trainer\.lr: .*valid number.*\(got 'fast'\)"),
     (["trainer.lrr=0.1"], r"trainer\.lrr: Extra inputs are not permitted"),
     (["loss.name=ppo"], r"loss\.name: Input should be 'decoupled_ppo', 'ppo_bypass'"),

@@ -1,0 +1,90 @@
+"""`queue.max_staleness = "auto"`: the controller's decisions from step metrics, and the queue putting
+an η in force (refused outside the range, a lowered η regenerating what it leaves over budget)."""
+
+import numpy as np
+import pytest
+
+from harness.synthetic import synthetic_batch
+from streamrl.buffer import QueueConfig, ReplayQueue
+from streamrl.buffer.auto import AutoStaleness
+
+AUTO = QueueConfig(group_size=2, groups_per_step=2, max_in_flight=8, max_staleness="auto", auto_min=1, auto_max=4,
+                   auto_cooldown=2, auto_smoothing=1.0)  # no smoothing: each decision reads its own step
+ON_POLICY = {"ess": 0.99, "kl_behavior_proximal": 0.001, "clipped_fraction": 0.01, "masked_fraction": 0.0}
+
+
+def step(wait_s=0.5, step_s=1.0, **signals):
+    return {**ON_POLICY, "trainer_wait_s": wait_s, "step_s": step_s, **signals}
+
+
+def test_a_starved_trainer_raises_eta_one_step_per_cooldown_up_to_auto_max():
+    auto = AutoStaleness(AUTO)
+    assert auto.eta == AUTO.auto_min == AUTO.eta_start
+    decisions = [auto.update(step()) for _ in range(10)]
+    assert [d.eta for d in decisions] == [1, 2, 2, 3, 3, 4, 4, 4, 4, 4]
+    assert [d.reason for d in decisions[:3]] == ["cooldown", "starved", "cooldown"]
+    assert decisions[1].signals["wait_fraction"] == 0.5
+
+
+@pytest.mark.parametrize("off", [{"ess": 0.5}, {"kl_behavior_proximal": 0.3}, {"masked_fraction": 0.2}])
+def test_off_policy_data_lowers_eta_down_to_auto_min_even_while_starved(off):
+    auto = AutoStaleness(AUTO, eta=4)
+    decisions = [auto.update(step(**off)) for _ in range(8)]
+    assert [d.eta for d in decisions] == [4, 3, 3, 2, 2, 1, 1, 1]
+    assert {d.reason for d in decisions} <= {"off_policy", "cooldown"}
+
+
+def test_a_fed_trainer_keeps_eta_and_a_step_without_timing_decides_nothing():
+    auto = AutoStaleness(AUTO, eta=2)
+    assert [auto.update(step(wait_s=0.0)).reason for _ in range(3)] == ["steady"] * 3 and auto.eta == 2
+    fresh = AutoStaleness(AUTO, eta=2)  # nothing is decided before a step has said how long the trainer waited
+    assert fresh.update({"ess": 0.1}).reason == "no_signal" and fresh.eta == 2
+
+
+def test_signals_are_smoothed_so_one_bad_step_does_not_move_eta():
+    auto = AutoStaleness(AUTO.model_copy(update={"auto_smoothing": 0.2}), eta=3)
+    for _ in range(4):
+        auto.update(step(wait_s=0.0))
+    assert auto.update(step(wait_s=0.0, ess=0.7)).eta == 3  # smoothed ESS 0.93: within bounds
+
+
+def test_the_controller_state_round_trips_and_an_impossible_eta_is_refused():
+    auto = AutoStaleness(AUTO)
+    for _ in range(3):
+        auto.update(step())
+    again = AutoStaleness(AUTO)
+    again.restore(auto.state())
+    assert again.state() == auto.state()
+    assert [again.update(step()).eta for _ in range(3)] == [auto.update(step()).eta for _ in range(3)]
+    with pytest.raises(ValueError, match=r"outside \[auto_min, auto_max\] = \[1, 4\]"):
+        again.restore({**auto.state(), "eta": 9})
+
+
+def test_the_queue_refuses_an_eta_outside_the_range_or_for_a_fixed_budget_and_changes_nothing():
+    queue = ReplayQueue(AUTO)
+    before = queue.status()
+    for bad in (0, 5, 2.0, True, "3"):
+        with pytest.raises(ValueError, match="outside"):
+            queue.set_max_staleness(bad)
+    assert queue.status() == before
+    with pytest.raises(ValueError, match="fixed at 1"):
+        ReplayQueue(QueueConfig(group_size=2, groups_per_step=2, max_staleness=1)).set_max_staleness(1)
+
+
+def test_a_lowered_eta_regenerates_the_groups_it_leaves_over_budget_and_loses_no_prompt():
+    queue = ReplayQueue(AUTO)
+    queue.set_max_staleness(3)
+    rng = np.random.default_rng(0)
+    old = queue.admit(0, 2, weights_version=0).tickets  # long generations, started at version 0
+    for version in (1, 2, 3):  # the trainer moves on without them (others feed it)
+        fresh = queue.admit(1, 2, weights_version=version - 1).tickets
+        queue.commit(synthetic_batch(fresh, 2, version=version - 1, rng=rng))
+        assert queue.get(2, timeout=0) is not None
+        queue.set_version(version)
+    queue.commit(synthetic_batch(old, 2, rng=rng))  # they end, 3 versions old
+    assert queue.status()["queued_staleness"] == {3: 2}  # within η = 3
+    queue.set_max_staleness(1)
+    status = queue.status()
+    assert status["max_staleness"] == 1 and status["queued_groups"] == 0 and status["over_budget"] == 2
+    assert sorted(queue.returned_prompts()) == sorted(t.prompt_id for t in old)  # given back, generated again
+    assert [t.prompt_id for t in queue.admit(0, 2, weights_version=3).tickets] == [t.prompt_id for t in old]
