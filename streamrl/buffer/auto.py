@@ -24,8 +24,6 @@ from typing import Any
 
 from streamrl.buffer.config import QueueConfig
 
-SIGNALS = ("ess", "kl_behavior_proximal", "off_policy_fraction", "wait_fraction")
-
 
 @dataclass(frozen=True)
 class Decision:

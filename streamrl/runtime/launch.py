@@ -178,8 +178,13 @@ class Run:
                               f"{self.start_step}")
         queue_status = ray.get(actors.queue.status.remote())
         queue_version = queue_status["version"]
-        if cfg.queue.auto:  # from the η the queue holds (a checkpoint's, on resume)
+        if cfg.queue.auto:  # from the η the queue holds, and on resume the checkpoint's smoothed signals
             self.auto = AutoStaleness(cfg.queue, eta=queue_status["max_staleness"])
+            if "auto_staleness" in self.meta:
+                self.auto.restore(self.meta["auto_staleness"])
+                if self.auto.eta != queue_status["max_staleness"]:
+                    raise RunDirError(f"the checkpoint's queue holds max_staleness {queue_status['max_staleness']}, "
+                                      f"its controller {self.auto.eta}")
         if queue_version != version:
             raise RunDirError(f"the checkpoint's queue is at version {queue_version}, its trainer at {version}")
         self.producers.start_all()
@@ -339,7 +344,8 @@ class Run:
             ray.get(self.queue.checkpoint.remote(str(tmp / "queue")))
 
         meta = {"step": self.step, "version": self.step, "elapsed_s": self._elapsed(started),
-                "trained_tokens": self.trained_tokens, "written_at": time.time()}
+                "trained_tokens": self.trained_tokens, "written_at": time.time(),
+                **({} if self.auto is None else {"auto_staleness": self.auto.state()})}
         path = self.run_dir.write_checkpoint(self.step, write, meta, keep=self.config.run.keep_checkpoints)
         self.last_checkpoint_step = self.step
         return path

@@ -410,6 +410,8 @@ def test_auto_staleness_moves_eta_within_its_range_logs_each_decision_and_resume
     assert summary["schedule"] == "auto" and summary["max_staleness"] == "auto" and summary["staleness_bound_held"]
     saved = load_queue(run_dir.latest_checkpoint() / "queue")
     assert saved.max_staleness == metrics[-1]["auto_eta"]  # the η in force goes into the checkpoint
+    meta = json.loads((run_dir.latest_checkpoint() / "meta.json").read_text())
+    assert meta["auto_staleness"]["eta"] == saved.max_staleness  # and the controller's smoothed signals
     resumed = resume_tiny(run_dir, "run.steps=14")
     after = run_dir.read("metrics.jsonl")[len(metrics):]
     assert resumed["staleness_bound_held"] and after[0]["max_staleness"] == saved.max_staleness
