@@ -305,7 +305,7 @@ def test_ctrl_c_stops_cleanly_with_a_checkpoint(ray_local, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["launch", "--set", "trainer.lrr=1"], "trainer.lrr: Extra inputs are not permitted"),
-    (["launch", "--set", "queue.max_staleness=-2"], "queue.max_staleness: Input should be greater than or equal to 0"),
+    (["launch", "--set", "queue.max_staleness=-2"], "queue.max_staleness: Input should be an integer >= 0, or \"auto\" (got -2)"),
     (["launch", "--set", "oops"], "expected section.key=value"),
     (["launch", "missing.toml"], "config file 'missing.toml' does not exist"),
     (["launch", "--resume", "/nonexistent/run"], "is not a streamrl run directory"),
