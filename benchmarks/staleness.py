@@ -45,6 +45,9 @@ CORRECTIONS = ["naive", "tis", "decoupled_ppo", "masked_is", "ppo_bypass", "rein
 # ESS is of the weights a loss applies (1 for naive, which applies none); KL(behaviour → proximal)
 # describes the data's off-policyness whatever the objective.
 LOSS_METRICS = ("ess", "kl_behavior_proximal", "clipped_fraction", "truncated_fraction", "masked_fraction")
+# where the reward goes (streamrl/trainer/diagnostics.py): per step where reported, averaged over the run
+DIAGNOSTICS = ("kl_lag1", "update_kl", "grad_cos_old_new", "grad_cos_halves", "grad_old_new_age_gap",
+               "zero_signal_fraction", "baseline_shift")
 
 
 def final_mean(values: list[float]) -> float:
@@ -75,10 +78,37 @@ def time_to(curve: dict[str, list[float]], target: float) -> float | None:
     return float(curve["elapsed_s"][reached[0]]) if len(reached) else None
 
 
+def mean_where_reported(metrics: list[dict[str, Any]], name: str) -> float | None:
+    values = [m[name] for m in metrics if isinstance(m.get(name), int | float) and np.isfinite(m[name])]
+    return float(np.mean(values)) if values else None
+
+
+def kl_by_lag(metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """KL(behaviour → proximal) per token lag, averaged over the steps that saw that lag."""
+    seen: dict[str, list[float]] = {}
+    for m in metrics:
+        for lag, value in m.get("kl_by_lag", {}).items():
+            seen.setdefault(lag, []).append(value)
+    return {lag: float(np.mean(v)) for lag, v in sorted(seen.items(), key=lambda kv: int(kv[0]))}
+
+
+def data_losses(summary: dict[str, Any], metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """What staleness cost in generated data: groups regenerated for being over budget (and how long
+    they were against the trained ones: a length bias), groups producers stopped early."""
+    queue = summary["queue"]
+    trained_groups = max(queue["consumed"], 1)
+    trained_tokens = sum(m["trained_tokens"] for m in metrics)
+    regenerated = queue["over_budget"]
+    return {"regenerated_fraction": regenerated / max(queue["admitted"], 1),
+            "regenerated_length_over_trained": (queue.get("regenerated_tokens", 0) / regenerated)
+            / (trained_tokens / trained_groups) if regenerated and trained_tokens else None,
+            "aborted_groups": sum(p.get("aborted_groups", 0) for p in summary.get("producers", []))}
+
+
 def run_one(root: str, eta: int | str, correction: str, seed: int, steps: int, minibatches: int, producers: int,
-            overrides: list[str]) -> dict[str, Any]:
+            overrides: list[str], config_path: str | None = None) -> dict[str, Any]:
     name = f"eta{eta}-{correction}-seed{seed}"
-    config, run_dir, _ = prepare(None, [
+    config, run_dir, _ = prepare(config_path, [
         f"run.steps={steps}", f"run.seed={seed}", "run.eval_every=0", "run.checkpoint_every=0",
         "run.time_limit_s=null", f"run.output_dir='{root}'", f"run.name='{name}'", "logging.progress='none'",
         f"queue.max_staleness={eta!r}" if eta == "auto" else f"queue.max_staleness={eta}",
@@ -97,6 +127,9 @@ def run_one(root: str, eta: int | str, correction: str, seed: int, steps: int, m
         "staleness_histogram": {str(k): int(v) for k, v in zip(*np.unique(staleness, return_counts=True))},
         "wall_s": metrics[-1]["elapsed_s"], "over_budget": summary["queue"]["over_budget"],
         **{f"{k}_mean": float(np.mean([m[k] for m in metrics])) for k in LOSS_METRICS},
+        **{f"{k}_mean": mean_where_reported(metrics, k) for k in DIAGNOSTICS},
+        "kl_by_lag": kl_by_lag(metrics), **data_losses(summary, metrics),
+        "step_s": metrics[-1]["elapsed_s"] / len(metrics),
         "curve": {"step": [m["step"] for m in metrics], "reward": rewards,
                   "elapsed_s": [m["elapsed_s"] for m in metrics], "eta": [m["max_staleness"] for m in metrics]},
     }
@@ -133,9 +166,21 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                                                         else r["time_to_target_s"] for r in seeds])),
                 "reached_target": sum(r["time_to_target_s"] is not None for r in seeds),
                 **{f"{k}_mean": float(np.mean([r[f"{k}_mean"] for r in seeds])) for k in LOSS_METRICS},
+                **{f"{k}_mean": _mean_of([r.get(f"{k}_mean") for r in seeds]) for k in DIAGNOSTICS},
+                "kl_by_lag": {lag: _mean_of([r.get("kl_by_lag", {}).get(lag) for r in seeds])
+                              for lag in sorted({lag for r in seeds for lag in r.get("kl_by_lag", {})}, key=int)},
+                "regenerated_fraction": _mean_of([r.get("regenerated_fraction") for r in seeds]),
+                "regenerated_length_over_trained": _mean_of([r.get("regenerated_length_over_trained") for r in seeds]),
+                "aborted_groups": _mean_of([r.get("aborted_groups") for r in seeds]),
+                "step_s_mean": _mean_of([r.get("step_s") for r in seeds]),
                 "runs": seeds,
             }
     return results
+
+
+def _mean_of(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return float(np.mean(present)) if present else None
 
 
 def expectations(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -254,6 +299,27 @@ def print_table(results: dict[str, dict[str, Any]], console: Console) -> None:
     console.print(table)
 
 
+def print_diagnosis(results: dict[str, dict[str, Any]], console: Console) -> None:
+    """Where the reward goes: each cell's diagnostics (— where the runs did not report them)."""
+    def fmt(value: float | None, spec: str) -> str:
+        return "—" if value is None else format(value, spec)
+
+    table = Table(title="where the reward goes (means over steps and seeds; grad cos and update KL on diagnosed steps)")
+    for column in ("η", "correction", "KL lag 1", "KL by lag", "update KL", "cos old/new", "cos halves", "age gap",
+                   "silent groups", "baseline shift", "regenerated", "regen len ÷ trained", "step s"):
+        table.add_column(column, justify="right")
+    for eta in sorted(results, key=eta_order):
+        for correction, c in sorted(results[eta].items()):
+            lags = " ".join(f"{lag}:{v:.3f}" for lag, v in c.get("kl_by_lag", {}).items() if v is not None)
+            table.add_row(eta, correction, fmt(c.get("kl_lag1_mean"), ".4f"), lags or "—",
+                          fmt(c.get("update_kl_mean"), ".4f"), fmt(c.get("grad_cos_old_new_mean"), ".3f"),
+                          fmt(c.get("grad_cos_halves_mean"), ".3f"), fmt(c.get("grad_old_new_age_gap_mean"), ".2f"),
+                          fmt(c.get("zero_signal_fraction_mean"), ".1%"), fmt(c.get("baseline_shift_mean"), ".4f"),
+                          fmt(c.get("regenerated_fraction"), ".1%"),
+                          fmt(c.get("regenerated_length_over_trained"), ".2f"), fmt(c.get("step_s_mean"), ".3f"))
+    console.print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"the quick grid: {QUICK}")
@@ -263,6 +329,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--minibatches", type=int, help="optimizer steps per consumed batch (trainer.minibatches)")
     parser.add_argument("--producers", type=int, default=3, help="more producers than the trainer can keep up with")
+    parser.add_argument("--config", help="a run config (default: the built-in task), e.g. launch/long-tail.toml")
+    parser.add_argument("--diagnose", type=int, default=0, metavar="N",
+                        help="trainer.diagnose_every: gradient alignment and KL of the update every N steps "
+                             "(extra passes: slows the runs, so leave it off for time-to-target figures)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="a `streamrl launch` config override applied to every run")
     parser.add_argument("--out", type=Path)
@@ -283,7 +353,8 @@ def main() -> None:
                 for eta in grid["etas"]:
                     for correction in grid["corrections"]:
                         run = run_one(root, eta, correction, seed, grid["steps"], grid["minibatches"],
-                                      args.producers, args.set)
+                                      args.producers, [*args.set, f"trainer.diagnose_every={args.diagnose}"],
+                                      args.config)
                         runs.append(run)
                         console.print(f"η={eta} {correction} seed {seed}: final reward {run['final_reward']:.3f}, "
                                       f"staleness {run['staleness_mean']:.2f} (max {run['staleness_max']}), "
@@ -292,12 +363,14 @@ def main() -> None:
         ray.shutdown()
     results = aggregate(runs)
     print_table(results, console)
+    print_diagnosis(results, console)
     checks = expectations(results)
     figures = headline(results)
     console.print(f"headline: {figures}")
     for name, check in checks.items():
         console.print(f"expectation {name}: {'held' if check['held'] else 'did not hold'} ({check})")
-    report = finish("staleness", out, workload={"task": "reverse (built-in)", "producers": args.producers,
+    report = finish("staleness", out, workload={"task": args.config or "reverse (built-in)",
+                                                "producers": args.producers, "diagnose_every": args.diagnose,
                                                 "overrides": args.set, **grid},
                     results=results, targets=[], headline=[],
                     baseline=BASELINES / f"baseline_{out.stem}.json",

@@ -251,6 +251,10 @@ class TrainerSection(_Section):
     memory between steps, moved to the trainer's GPU for its forward pass only."""
     get_timeout_s: float = Field(300.0, gt=0)
     """The trainer gives up (and the run fails) when no batch arrives for this long."""
+    diagnose_every: int = Field(0, ge=0)
+    """Every this many steps, measure how the step's data moves the policy (`streamrl/trainer/diagnostics.py`):
+    the policy gradients of the batch's older and newer halves and their cosine, and KL(before → after
+    the step); about two more forward-backward passes over the batch on those steps. 0: off. torch backend."""
 
     @property
     def ranks(self) -> int:
@@ -395,6 +399,9 @@ class RunConfig(_Section):
             if size > 1 and self.trainer.colocated:
                 raise ValueError(f"trainer.colocated = true with trainer.{kind} > 1 is not supported: one trainer "
                                  "rank takes turns with the servers (offloaded ranks cannot run collectives)")
+        if self.trainer.diagnose_every and self.trainer.backend != "torch":
+            raise ValueError(f"trainer.diagnose_every={self.trainer.diagnose_every} needs trainer.backend = 'torch' "
+                             "(its gradient comparison reads the whole model's gradient in one process)")
         return self
 
 

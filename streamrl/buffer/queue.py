@@ -132,8 +132,10 @@ class ReplayQueue:
         self._returned: deque[int] = deque()
         self._leases: dict[int, int | None] = {}  # producer id -> its lease (None: revoked)
         self._next_lease = 0
+        # regenerated_tokens: prompt + response tokens of the groups regenerated for being over budget
+        # (against the trained groups' mean it shows whether staleness drops the long ones)
         self.counters = {"admitted": 0, "committed": 0, "consumed": 0, "abandoned": 0,
-                         "over_budget": 0, "rejected_batches": 0}
+                         "over_budget": 0, "regenerated_tokens": 0, "rejected_batches": 0}
         self._blocked_by: str | None = None
 
     # ---- admission -------------------------------------------------------------------------------
@@ -399,6 +401,7 @@ class ReplayQueue:
             self._states[group_id] = REGENERATED
             self._returned.append(group.prompt_id)
             self.counters["over_budget"] += 1
+            self.counters["regenerated_tokens"] += group.num_tokens
             self._cond.notify_all()
 
     def set_version(self, version: int) -> None:
@@ -582,7 +585,7 @@ def _restored_counters(saved: dict[str, int], states: bytes) -> dict[str, int]:
     if not isinstance(saved.get("over_budget"), int) or saved["over_budget"] < regenerated:
         raise ValueError(f"counters.over_budget = {saved.get('over_budget')!r}, but {regenerated} groups "
                          "were regenerated for being over budget")
-    return {**saved, **derived, "abandoned": abandoned + running}
+    return {"regenerated_tokens": 0, **saved, **derived, "abandoned": abandoned + running}  # older checkpoints lack it
 
 
 def _check_restored(queue: ReplayQueue, groups: list[QueuedGroup]) -> None:

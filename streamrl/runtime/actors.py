@@ -165,7 +165,7 @@ class StepResult:
     max_staleness: int  # η in force when the queue handed the groups out (moves with queue.max_staleness = "auto")
     trainer_wait_s: float  # waiting for the queue: what generation did not hide
     audit: GroupAudit
-    metrics: dict[str, float]  # the learner's (loss, clip and mask fractions, ...) and the step's phases
+    metrics: dict[str, Any]  # the learner's (loss, clip and mask fractions, kl_by_lag, ...) and the step's phases
 
 
 class TrainerShell:

@@ -153,6 +153,9 @@ class MegatronBackend(ModuleBackend):
             totals = carried[0]
         return self.all_gather(totals)
 
+    def flat_gradient(self):
+        raise NotImplementedError("trainer.diagnose_every: the megatron backend's gradient is sharded over ranks")
+
     def all_gather(self, value):
         """Over this stage's data-parallel group (the TP ranks of a group hold the same value)."""
         if self.dp == 1:

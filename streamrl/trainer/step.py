@@ -45,6 +45,7 @@ from streamrl.correction import (
     rloo_advantages,
 )
 from streamrl.correction.losses import m2po_cutoff, m2po_values
+from streamrl.trainer import diagnostics
 from streamrl.trainer.schedule import lr_at
 
 LossOf = Callable[[np.ndarray, torch.Tensor], torch.Tensor]  # (a micro-batch's rows, their θ log-probs) → loss
@@ -84,6 +85,10 @@ class Backend(Protocol):
     def all_gather(self, value: np.ndarray) -> list[np.ndarray]:
         """Every data-parallel rank's `value` (a whole-batch statistic from each rank's rows)."""
 
+    def flat_gradient(self) -> torch.Tensor:
+        """The accumulated gradient of the whole model as one vector (for `trainer.diagnose_every`; a
+        backend that cannot gather it raises NotImplementedError, and pre-flight refuses the setting)."""
+
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -100,6 +105,7 @@ class StepPlan:
     with_reference: bool
     schedule: dict[str, Any]  # `lr_at`'s keywords
     m2_tau: float | None = None  # m2po: its mask is the whole batch's, computed before any gradient
+    diagnose_every: int = 0  # the extra passes of `streamrl.trainer.diagnostics` every this many steps
 
     @classmethod
     def of(cls, trainer: TrainerSection, loss: LossConfig, group_size: int, lr_horizon: int | None = None) -> StepPlan:
@@ -114,7 +120,7 @@ class StepPlan:
                    grad_clip=trainer.grad_clip, loss_fn=make_loss(loss),
                    token_mean=loss.aggregation == "token_mean", needs_proximal=loss.needs_proximal,
                    with_reference=loss.kl_coef > 0, schedule=schedule,
-                   m2_tau=loss.m2_tau if loss.name == "m2po" else None)
+                   m2_tau=loss.m2_tau if loss.name == "m2po" else None, diagnose_every=trainer.diagnose_every)
 
     def lr(self, optimizer_step: int) -> float:
         return lr_at(optimizer_step, **self.schedule)
@@ -131,16 +137,24 @@ def run_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, *, version: i
     adv = broadcast_to_tokens(advantages(batch.rewards, plan.group_size, plan.advantage), mask)
     parts = minibatch_rows(len(lengths), plan.group_size, plan.minibatches, rng)
     mine = np.sort(np.concatenate([backend.shard(rows) for rows in parts]))
+    diagnose = plan.diagnose_every > 0 and version % plan.diagnose_every == 0
     # one optimizer step: p is θ in the same forward pass (see the module docstring), unless the loss
-    # needs a statistic of the whole batch's p before the first gradient (m2po)
+    # needs a statistic of the whole batch's p before the first gradient (m2po) or the step is diagnosed
     proximal = forward_logprobs(backend, batch, lengths, mine, plan.micro_batch_tokens) \
-        if plan.needs_proximal and (len(parts) > 1 or plan.m2_tau is not None) else None
+        if (plan.needs_proximal and (len(parts) > 1 or plan.m2_tau is not None)) or diagnose else None
     keywords = {} if plan.m2_tau is None else {"cutoff": m2po_batch_cutoff(backend, batch, mine, proximal, adv,
                                                                            mask, plan.m2_tau)}
     reference = forward_logprobs(backend, batch, lengths, mine, plan.micro_batch_tokens, reference=True) \
         if plan.with_reference else None
+    totals: dict[str, float] = data_diagnostics(batch, mine, mask, proximal, version=version,
+                                                group_size=plan.group_size)
+    extra = {}
+    if diagnose:
+        extra = diagnostics.gradient_alignment(
+            lambda rows: _gradient(backend, plan, batch, rows, lengths, mask, adv, proximal=proximal,
+                                   reference=reference, version=version, keywords=keywords),
+            _group_versions(batch, mine, plan.group_size), plan.group_size, np.random.default_rng(version))
     saved = backend.snapshot() if len(parts) > 1 else None
-    totals: dict[str, float] = {}
     grad_norms = []
     step_tokens = int(mask.sum())
     for i, rows in enumerate(parts):
@@ -153,11 +167,56 @@ def run_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, *, version: i
             if saved is not None:  # earlier mini-batches of this step were applied: undo them
                 backend.restore(saved)
             raise
-    totals = whole_step_ess(mean_mismatch(merge_ranks(backend.gather_metrics(totals))))
-    totals.update(grad_norm=float(np.mean(grad_norms)), response_tokens=step_tokens, trained_tokens=int(lengths.sum()),
-                  samples=len(lengths), optimizer_steps=len(parts),
+    if diagnose:
+        after = forward_logprobs(backend, batch, lengths, mine, plan.micro_batch_tokens)
+        rows_t = torch.from_numpy(mine)
+        valid = _valid(batch, mask, proximal)[rows_t]
+        totals.update(diagnostics.update_kl_sums(proximal[rows_t], after[rows_t], valid))
+    totals = diagnostics.finish(whole_step_ess(mean_mismatch(merge_ranks(backend.gather_metrics(totals)))))
+    totals.update(extra, grad_norm=float(np.mean(grad_norms)), response_tokens=step_tokens,
+                  trained_tokens=int(lengths.sum()), samples=len(lengths), optimizer_steps=len(parts),
                   lr=plan.lr(optimizer_steps + len(parts) - 1))  # the step's last optimizer step
     return totals
+
+
+def data_diagnostics(batch: PaddedBatch, rows: np.ndarray, mask: torch.Tensor, proximal: torch.Tensor | None, *,
+                     version: int, group_size: int) -> dict[str, float]:
+    """`streamrl.trainer.diagnostics`' per-step sums over this rank's `rows` (whole groups)."""
+    rows_t = torch.from_numpy(rows)
+    if proximal is None:
+        return diagnostics.group_signal(batch.rewards[rows_t], group_size)
+    valid = _valid(batch, mask, proximal)[rows_t]
+    behavior, prox = batch.behavior_logprobs[:, 1:][rows_t], proximal[rows_t]
+    return {**diagnostics.group_signal(batch.rewards[rows_t], group_size, behavior=behavior, proximal=prox,
+                                       valid=valid),
+            **diagnostics.lag_kl_sums(behavior, prox, batch.versions[:, 1:][rows_t], valid, version)}
+
+
+def _valid(batch: PaddedBatch, mask: torch.Tensor, proximal: torch.Tensor) -> torch.Tensor:
+    return mask.bool() & torch.isfinite(batch.behavior_logprobs[:, 1:]) & torch.isfinite(proximal)
+
+
+def _group_versions(batch: PaddedBatch, rows: np.ndarray, group_size: int) -> np.ndarray:
+    """Each group's behaviour version (the oldest of its tokens), for the groups of `rows`."""
+    versions = batch.versions[:, 1:][torch.from_numpy(rows)]
+    oldest = torch.where(versions >= 0, versions, torch.iinfo(versions.dtype).max).min(-1).values
+    return oldest.reshape(-1, group_size).min(-1).values.cpu().numpy()
+
+
+def _gradient(backend: Backend, plan: StepPlan, batch: PaddedBatch, rows: np.ndarray, lengths: np.ndarray,
+              mask: torch.Tensor, adv: torch.Tensor, *, proximal: torch.Tensor | None,
+              reference: torch.Tensor | None, version: int, keywords: dict[str, Any]) -> torch.Tensor:
+    """The flat gradient of the loss of `rows` alone at the current weights (normalised by their own
+    tokens or rows); the model's gradients are left zero."""
+    tokens = int(mask[torch.from_numpy(rows)].sum())
+    loss_of = _loss_of(plan, batch, mask, adv, proximal=proximal, reference=reference, version=version,
+                       denominator=float(max(tokens, 1)) if plan.token_mean else float(len(rows)),
+                       keywords=keywords)
+    backend.zero_grad()
+    backend.backward(batch, lengths, micro_batch_rows(lengths, rows, plan.micro_batch_tokens), loss_of)
+    gradient = backend.flat_gradient()
+    backend.zero_grad()
+    return gradient
 
 
 def _optimizer_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, rows: np.ndarray, lengths: np.ndarray,
@@ -168,11 +227,35 @@ def _optimizer_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, rows: 
     into `totals` weighted by the mini-batch's share of the step's tokens. The loss is normalised by the
     whole mini-batch's tokens (or rows), so that data-parallel ranks' gradients sum to the one-rank
     gradient. Returns the gradient norm."""
-    behavior, versions = batch.behavior_logprobs[:, 1:], batch.versions[:, 1:]
     tokens = int(mask[torch.from_numpy(rows)].sum())
     share = tokens / max(step_tokens, 1)
-    denominator = float(max(tokens, 1)) if plan.token_mean else float(len(rows))
     backend.zero_grad()
+
+    def record(part: np.ndarray, loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> None:
+        within = float(mask[torch.from_numpy(part)].sum()) / max(tokens, 1)
+        accumulate(totals, metrics, share=share * within)
+        totals["loss"] = totals.get("loss", 0.0) + share * float(loss.detach())  # already over the whole mini-batch
+
+    loss_of = _loss_of(plan, batch, mask, adv, proximal=proximal, reference=reference, version=version,
+                       denominator=float(max(tokens, 1)) if plan.token_mean else float(len(rows)),
+                       keywords=keywords, record=record)
+    mine = backend.shard(rows)
+    backend.backward(batch, lengths, micro_batch_rows(lengths, mine, plan.micro_batch_tokens), loss_of)
+    grad_norm = backend.clip_gradients(plan.grad_clip)
+    if not torch.isfinite(grad_norm):
+        backend.zero_grad()
+        raise FloatingPointError(f"non-finite gradient norm at version {version}; the step was not taken")
+    backend.optimizer_step(lr)
+    return float(grad_norm)
+
+
+def _loss_of(plan: StepPlan, batch: PaddedBatch, mask: torch.Tensor, adv: torch.Tensor, *,
+             proximal: torch.Tensor | None, reference: torch.Tensor | None, version: int, denominator: float,
+             keywords: dict[str, Any],
+             record: Callable[[np.ndarray, torch.Tensor, dict[str, torch.Tensor]], None] | None = None) -> LossOf:
+    """The loss of a micro-batch's rows given their θ log-probs, over `denominator` tokens (or rows);
+    `record` sees each micro-batch's loss and metrics."""
+    behavior, versions = batch.behavior_logprobs[:, 1:], batch.versions[:, 1:]
 
     def loss_of(part: np.ndarray, theta: torch.Tensor) -> torch.Tensor:
         rows_t, cut = torch.from_numpy(part), slice(0, theta.shape[1])
@@ -185,19 +268,11 @@ def _optimizer_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, rows: 
                         mask=mask[rows_t, cut], proximal_logprobs=prox, versions=versions[rows_t, cut],
                         ref_logprobs=None if reference is None else reference[rows_t, cut]),
             denominator=denominator, trainer_version=version, **keywords)
-        within = float(mask[rows_t].sum()) / max(tokens, 1)
-        accumulate(totals, metrics, share=share * within)
-        totals["loss"] = totals.get("loss", 0.0) + share * float(loss.detach())  # already over the whole mini-batch
+        if record is not None:
+            record(part, loss, metrics)
         return loss
 
-    mine = backend.shard(rows)
-    backend.backward(batch, lengths, micro_batch_rows(lengths, mine, plan.micro_batch_tokens), loss_of)
-    grad_norm = backend.clip_gradients(plan.grad_clip)
-    if not torch.isfinite(grad_norm):
-        backend.zero_grad()
-        raise FloatingPointError(f"non-finite gradient norm at version {version}; the step was not taken")
-    backend.optimizer_step(lr)
-    return float(grad_norm)
+    return loss_of
 
 
 def forward_logprobs(backend: Backend, batch: PaddedBatch, lengths: np.ndarray, rows: np.ndarray, token_budget: int,

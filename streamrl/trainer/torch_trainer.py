@@ -80,6 +80,10 @@ class TorchBackend(ModuleBackend):
     def all_gather(self, value: np.ndarray) -> list[np.ndarray]:
         return [value]
 
+    def flat_gradient(self) -> torch.Tensor:
+        return torch.cat([p.grad.detach().flatten() if p.grad is not None else torch.zeros(p.numel(), device=p.device)
+                          for p in self.model.parameters()]).float()
+
     # ---- model I/O ---------------------------------------------------------------------------------------
     def hf_model(self) -> torch.nn.Module:
         return self.model

@@ -276,10 +276,12 @@ def test_over_budget_groups_are_counted_never_silent(rng, policy):
     queue = ReplayQueue(QueueConfig(group_size=1, groups_per_step=1, max_staleness=1, over_budget=policy))
     ids = fill(queue, 2, rng=rng)
     queue.get(timeout=0)
+    left_tokens = queue.status()["queued_tokens"]
     queue.set_version(2)  # the remaining group, sampled at 0, is now 2 versions old
     status = queue.status()
     if policy == "regenerate":
         assert status["over_budget"] == 1 and status["queued_groups"] == 0
+        assert status["regenerated_tokens"] == left_tokens > 0  # how long the dropped groups were
         assert queue.returned_prompts() == [1] and queue.ticket_state(ids[1]) == "regenerated"
     else:
         got = queue.get(timeout=0)

@@ -101,6 +101,9 @@ class BigramBackend:
     def all_gather(self, value):
         return [value] if self.exchange is None else self.exchange.all_gather(self.rank, value)
 
+    def flat_gradient(self):
+        return self.model.table.grad.flatten().clone()
+
 
 def padded_batch(groups=8, seed=0):
     tickets = ReplayQueue(QueueConfig(group_size=GROUP, groups_per_step=groups, max_in_flight=64)).admit(0, groups).tickets
@@ -223,3 +226,51 @@ def test_ranks_metrics_merge_by_one_rule():
     assert merged == {"loss": 0.75, "clip_frac": pytest.approx(0.3), "ratio_max": 3.0, "ratio_min": 0.5,
                       "tokens": 16.0, "mismatch_kl_sum": 1.0}
     assert merge_ranks([{"x_max": 1.0}]) == {"x_max": 1.0}
+
+
+def test_a_diagnosed_step_trains_exactly_as_an_undiagnosed_one():
+    """The diagnostics' extra passes (gradients of halves of the batch, KL after the step) leave the
+    weights, the optimizer state and the mini-batch shuffle as they were."""
+    batch = padded_batch(groups=8, seed=3)
+    plain, diagnosed = BigramBackend(), BigramBackend()
+    m_plain = step(plain, plan(minibatches=2), batch)
+    m_diag = step(diagnosed, plan(minibatches=2, diagnose_every=1), batch)
+    torch.testing.assert_close(plain.model.table, diagnosed.model.table, atol=0, rtol=0)
+    for key, value in plain.optimizer.state_dict()["state"][0].items():
+        torch.testing.assert_close(diagnosed.optimizer.state_dict()["state"][0][key], value, atol=0, rtol=0)
+    assert m_diag["loss"] == m_plain["loss"]
+    assert m_diag["update_kl"] > 0 and "update_kl" not in m_plain  # the step moved the policy
+    # every token of the synthetic batch is of version 0 and the step is at version 0: one lag
+    assert m_diag["kl_by_lag"].keys() == {"0"} and -1 <= m_diag["grad_cos_old_new"] <= 1
+    assert -1 <= m_diag["grad_cos_halves"] <= 1 and m_diag["grad_old_new_age_gap"] == 0
+
+
+def test_the_halves_gradients_are_the_steps_gradient_split_by_rows():
+    """`grad_cos_*` compares the gradients the step follows: taken at the step's starting weights, each
+    half's normalised by its own tokens, so that the token-weighted mean of two complementary halves is
+    the gradient of the step's one optimizer step."""
+
+    class Recording(BigramBackend):
+        def __init__(self):
+            super().__init__()
+            self.halves, self.step_gradients = [], []
+
+        def flat_gradient(self):
+            gradient = super().flat_gradient()
+            self.halves.append((np.concatenate(self.calls[-1][1]), gradient))
+            return gradient
+
+        def clip_gradients(self, max_norm):
+            self.step_gradients.append(self.model.table.grad.flatten().clone())
+            return super().clip_gradients(max_norm)
+
+    batch, backend = padded_batch(groups=8, seed=4), Recording()
+    step(backend, plan(minibatches=1, diagnose_every=1, grad_clip=1e9), batch)
+    tokens = batch.loss_mask[:, 1:].sum(-1).numpy()
+    assert len(backend.halves) == 4 and len(backend.step_gradients) == 1
+    for (rows_a, grad_a), (rows_b, grad_b) in (backend.halves[:2], backend.halves[2:]):
+        assert sorted(np.concatenate([rows_a, rows_b]).tolist()) == list(range(8 * GROUP))
+        n_a, n_b = tokens[rows_a].sum(), tokens[rows_b].sum()
+        # to float32's precision: the behaviour log-probs and the advantages are float32
+        torch.testing.assert_close((n_a * grad_a + n_b * grad_b) / (n_a + n_b), backend.step_gradients[0],
+                                   atol=1e-8, rtol=1e-6)
