@@ -46,8 +46,8 @@ CORRECTIONS = ["naive", "tis", "decoupled_ppo", "masked_is", "ppo_bypass", "rein
 # describes the data's off-policyness whatever the objective.
 LOSS_METRICS = ("ess", "kl_behavior_proximal", "clipped_fraction", "truncated_fraction", "masked_fraction")
 # where the reward goes (streamrl/trainer/diagnostics.py): per step where reported, averaged over the run
-DIAGNOSTICS = ("kl_lag1", "update_kl", "grad_cos_old_new", "grad_cos_halves", "grad_old_new_age_gap",
-               "zero_signal_fraction", "baseline_shift")
+DIAGNOSTICS = ("kl_lag1", "update_kl", "grad_cos_stale_halves", "grad_cos_fresh_halves", "grad_cos_stale_fresh",
+               "grad_signal_alignment", "zero_signal_fraction", "baseline_shift")
 
 
 def final_mean(values: list[float]) -> float:
@@ -299,24 +299,28 @@ def print_table(results: dict[str, dict[str, Any]], console: Console) -> None:
     console.print(table)
 
 
+DIAGNOSIS_COLUMNS = [("kl_behavior_proximal_mean", ".4f"), ("update_kl_mean", ".4f"),
+                     ("grad_cos_stale_halves_mean", ".3f"), ("grad_cos_fresh_halves_mean", ".3f"),
+                     ("grad_cos_stale_fresh_mean", ".3f"), ("grad_signal_alignment_mean", ".2f"),
+                     ("zero_signal_fraction_mean", ".1%"), ("baseline_shift_mean", ".4f"),
+                     ("regenerated_fraction", ".1%"), ("regenerated_length_over_trained", ".2f"),
+                     ("step_s_mean", ".3f")]
+
+
 def print_diagnosis(results: dict[str, dict[str, Any]], console: Console) -> None:
     """Where the reward goes: each cell's diagnostics (— where the runs did not report them)."""
     def fmt(value: float | None, spec: str) -> str:
         return "—" if value is None else format(value, spec)
 
     table = Table(title="where the reward goes (means over steps and seeds; grad cos and update KL on diagnosed steps)")
-    for column in ("η", "correction", "KL lag 1", "KL by lag", "update KL", "cos old/new", "cos halves", "age gap",
-                   "silent groups", "baseline shift", "regenerated", "regen len ÷ trained", "step s"):
+    for column in ("η", "correction", "KL(b→p)", "KL by lag", "update KL", "cos stale", "cos fresh", "cos stale/fresh",
+                   "alignment", "silent groups", "baseline shift", "regenerated", "regen len ÷ trained", "step s"):
         table.add_column(column, justify="right")
     for eta in sorted(results, key=eta_order):
         for correction, c in sorted(results[eta].items()):
             lags = " ".join(f"{lag}:{v:.3f}" for lag, v in c.get("kl_by_lag", {}).items() if v is not None)
-            table.add_row(eta, correction, fmt(c.get("kl_lag1_mean"), ".4f"), lags or "—",
-                          fmt(c.get("update_kl_mean"), ".4f"), fmt(c.get("grad_cos_old_new_mean"), ".3f"),
-                          fmt(c.get("grad_cos_halves_mean"), ".3f"), fmt(c.get("grad_old_new_age_gap_mean"), ".2f"),
-                          fmt(c.get("zero_signal_fraction_mean"), ".1%"), fmt(c.get("baseline_shift_mean"), ".4f"),
-                          fmt(c.get("regenerated_fraction"), ".1%"),
-                          fmt(c.get("regenerated_length_over_trained"), ".2f"), fmt(c.get("step_s_mean"), ".3f"))
+            table.add_row(eta, correction, *[fmt(c.get(key), spec) for key, spec in DIAGNOSIS_COLUMNS[:1]], lags or "—",
+                          *[fmt(c.get(key), spec) for key, spec in DIAGNOSIS_COLUMNS[1:]])
     console.print(table)
 
 

@@ -4,16 +4,23 @@
  each step's metrics ─► EMA of ESS, KL(behaviour → proximal), masked + clipped fraction, trainer wait
    off-policy:  ESS < ess_min  or  KL > kl_max  or  masked + clipped > mask_max   ─► η − 1   (≥ auto_min)
    starved:     trainer waited > wait_min of its step, and not off-policy          ─► η + 1   (≤ auto_max)
+   idle:        waited < wait_low for probe_steps at this η, above the floor       ─► η − 1   (a probe)
    otherwise                                                                        ─► η
  at most one change per `cooldown` steps: a new η reaches the trainer's data only as the groups
  admitted under it arrive, about η steps later
+ floor: a probe that starved the trainer marks the η it had to rise back to; no probe goes below it
+        for 5 × probe_steps steps
 ```
 More staleness buys throughput only while the trainer waits for data (what generation did not hide);
 it costs learning through the weights the data needs (low ESS), the distance the correction has to
-bridge (KL(b → p)) and the tokens the objective clips or masks. The controller raises η while the
-first holds and the others stay within bounds, and lowers it as soon as one does not. It only
-chooses; the queue enforces whatever η is in force (`ReplayQueue.set_max_staleness`): admission by
-the staleness formula, and a group over the new budget is regenerated, its prompt given back.
+bridge (KL(b → p)) and the tokens the objective clips or masks. Where producers outrun the trainer the
+queue fills to whatever budget it is given, so every consumed group is about η versions old: a budget
+larger than the trainer needs is pure cost (measured: `docs/benchmarks.md`, "where the reward goes").
+So the controller looks for the smallest η that keeps the trainer fed: it raises η while the trainer
+waits and the data stays within bounds, lowers it as soon as a bound is crossed, and while the trainer
+is fed it tries one less every `probe_steps`. It only chooses; the queue enforces whatever η is in
+force (`ReplayQueue.set_max_staleness`): admission by the staleness formula, and a group over the new
+budget is regenerated, its prompt given back.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from streamrl.buffer.config import QueueConfig
 @dataclass(frozen=True)
 class Decision:
     eta: int  # in force from now on
-    reason: str  # starved | off_policy | steady | cooldown | no_signal
+    reason: str  # starved | off_policy | idle | steady | cooldown | no_signal
     signals: dict[str, float]  # the smoothed signals the decision read
 
 
@@ -40,10 +47,15 @@ class AutoStaleness:
         self.eta = config.auto_min if eta is None else eta
         self._smoothed: dict[str, float] = {}
         self._since_change = 0
+        self._last_reason = ""  # why η last changed
+        self._floor, self._floor_age = config.auto_min, 0  # the lowest η an idle probe may try
 
     def update(self, metrics: dict[str, Any]) -> Decision:
         c = self.config
         self._since_change += 1
+        self._floor_age += 1
+        if self._floor_age > 5 * c.auto_probe_steps:  # what starved the trainer then may not now
+            self._floor = c.auto_min
         observed = _signals(metrics)
         for name, value in observed.items():
             old = self._smoothed.get(name)
@@ -57,6 +69,9 @@ class AutoStaleness:
             wanted, reason = self.eta - 1, "off_policy"
         elif s["wait_fraction"] > c.auto_wait_min:
             wanted, reason = self.eta + 1, "starved"
+        elif (s["wait_fraction"] < c.auto_wait_low and self.eta > self._floor
+              and self._since_change >= c.auto_probe_steps):
+            wanted, reason = self.eta - 1, "idle"
         else:
             return Decision(self.eta, "steady", s)
         wanted = min(max(wanted, c.auto_min), c.auto_max)
@@ -64,12 +79,15 @@ class AutoStaleness:
             return Decision(self.eta, reason, s)  # at the end of the range
         if self._since_change < c.auto_cooldown:
             return Decision(self.eta, "cooldown", s)
-        self.eta, self._since_change = wanted, 0
+        if reason == "starved" and self._last_reason == "idle":  # the probe went one too low
+            self._floor, self._floor_age = wanted, 0
+        self.eta, self._since_change, self._last_reason = wanted, 0, reason
         return Decision(self.eta, reason, s)
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps, so that a resumed run goes on from the same η and smoothing."""
-        return {"eta": self.eta, "smoothed": dict(self._smoothed), "since_change": self._since_change}
+        return {"eta": self.eta, "smoothed": dict(self._smoothed), "since_change": self._since_change,
+                "last_reason": self._last_reason, "floor": self._floor, "floor_age": self._floor_age}
 
     def restore(self, state: dict[str, Any]) -> None:
         eta = int(state["eta"])
@@ -78,6 +96,10 @@ class AutoStaleness:
                              f"[{self.config.auto_min}, {self.config.auto_max}]")
         self.eta, self._smoothed = eta, {k: float(v) for k, v in state["smoothed"].items()}
         self._since_change = int(state["since_change"])
+        # checkpoints written before idle probes lack these: no probe had set a floor
+        self._last_reason = str(state.get("last_reason", ""))
+        self._floor = int(state.get("floor", self.config.auto_min))
+        self._floor_age = int(state.get("floor_age", 0))
 
 
 def _signals(metrics: dict[str, Any]) -> dict[str, float]:

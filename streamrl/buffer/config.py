@@ -37,6 +37,12 @@ class QueueConfig(BaseModel):
     auto_wait_min: float = Field(0.05, ge=0, lt=1)
     """auto: η rises while the trainer waits for data more than this fraction of its step (and the
     data is not too off-policy): more staleness buys throughput only then."""
+    auto_wait_low: float = Field(0.01, ge=0, lt=1)
+    """auto: η falls (one step per `auto_probe_steps`) while the trainer waits less than this fraction of
+    its step: the budget is more than the trainer needs, and its staleness buys nothing."""
+    auto_probe_steps: int = Field(10, ge=1)
+    """auto: steps at one η before a fed trainer's η is lowered to try one less; an η that lowering
+    showed to starve the trainer is not tried again for 5 × this many steps."""
     auto_cooldown: int = Field(2, ge=1)
     """auto: steps between two changes of η."""
     auto_smoothing: float = Field(0.3, gt=0, le=1)
@@ -80,6 +86,8 @@ class QueueConfig(BaseModel):
         # Fewer slots than one step's groups would make the trainer wait forever at η = 0.
         if self.auto_min > self.auto_max:
             raise ValueError(f"auto_min={self.auto_min} must not exceed auto_max={self.auto_max}")
+        if self.auto_wait_low > self.auto_wait_min:
+            raise ValueError(f"auto_wait_low={self.auto_wait_low} must not exceed auto_wait_min={self.auto_wait_min}")
         if self.max_in_flight < self.groups_per_step and self.eta_start == 0:
             raise ValueError(
                 f"max_in_flight={self.max_in_flight} < groups_per_step={self.groups_per_step} with "

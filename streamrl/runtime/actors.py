@@ -303,6 +303,9 @@ class TrainerActor(TrainerShell):
         self.task = make_task(cfg.task, trainer.tokenizer, seed=cfg.run.seed,
                               search_path=search_path, sim=cfg.sim_workload())
         self.max_new_tokens = cfg.sampling.max_new_tokens or self.task.max_new_tokens()
+        if cfg.trainer.diagnose_every:  # the torch learner (the config refuses the others)
+            trainer.diagnose_with(self.task, max_new_tokens=self.max_new_tokens, temperature=cfg.sampling.temperature,
+                                  top_p=cfg.sampling.top_p)
         self._group_sender, self._sender_lock = None, threading.Lock()
 
     def evaluate(self, limit: int | None = None) -> dict[str, float]:

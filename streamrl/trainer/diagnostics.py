@@ -8,12 +8,15 @@
                         how far the policy moved in lag versions, as the data sees it (kl_lag1: one version)
      baseline_shift     |self-normalised IS estimate of the current policy's group mean reward − the
                         behaviour group's mean|: how outdated the group baseline of a stale group is
- every `trainer.diagnose_every` steps (extra passes over the batch)
-   update_kl            KL(p → θ after the step) on the step's tokens: how far one version moves the policy
-   grad_cos_old_new     cosine between the policy gradients (at θ = p) of the batch's older and newer halves
-                        of groups (by behaviour version); grad_cos_halves: the same for a random halving —
-                        the noise floor it is compared with (equal at η = 0, where age carries no information)
+ every `trainer.diagnose_every` steps: the step's prompts sampled again by the current weights p (fresh)
+   update_kl            KL(p → θ after the step) on the fresh samples: how far one version moves the policy
+   grad_cos_*           the policy gradients (at θ = p) of halves of the stale batch and of the fresh one:
+                        grad_signal_alignment, the noise-corrected cosine between the directions stale and
+                        fresh data point in (1 at η = 0; see `gradient_alignment`)
 ```
+At steady state every group of a batch is about η versions old (producers outrun the trainer and the
+oldest go first), so a lag profile within one batch says little; what one version moves the policy
+(`update_kl`) and how far the behaviour is from p (`kl_behavior_proximal`, the loss's) say more.
 Everything is reported as sums and counts (`*_sum`, `*_count`), which `step.accumulate` adds over
 micro-batches, mini-batches and data-parallel ranks; `finish` turns them into means at the end of the
 step. The functions are pure over tensors except `gradient_alignment`, which runs the backend.
@@ -77,35 +80,41 @@ def update_kl_sums(proximal: torch.Tensor, after: torch.Tensor, valid: torch.Ten
     return {"update_kl_sum": float(kl[valid].sum()), "update_kl_count": float(valid.sum())}
 
 
-def old_new_halves(group_versions: np.ndarray, rng: np.random.Generator) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Group indices in two equal halves by age (the older first; ties in batch order) and, as the
-    control, in two random halves of the same sizes."""
-    order = np.argsort(group_versions, kind="stable")
-    half = len(order) // 2
-    shuffled = rng.permutation(len(order))
-    return [order[:half], order[half:2 * half]], [shuffled[:half], shuffled[half:2 * half]]
-
-
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     denominator = float(a.norm() * b.norm())
     return float(a @ b) / denominator if denominator > 0 else float("nan")
 
 
-def gradient_alignment(gradient_of: Callable[[np.ndarray], torch.Tensor], group_versions: np.ndarray,
-                       group_size: int, rng: np.random.Generator) -> dict[str, float]:
-    """grad_cos_old_new and grad_cos_halves (see the module docstring); `gradient_of(rows)` is the flat
-    policy gradient of those rows' loss, each half normalised by its own tokens."""
-    if len(group_versions) < 4:
+def gradient_alignment(stale_gradient_of: Callable[[np.ndarray], torch.Tensor],
+                       fresh_gradient_of: Callable[[np.ndarray], torch.Tensor], groups: int, group_size: int,
+                       rng: np.random.Generator) -> dict[str, float]:
+    """Whether the step's (stale) data points where fresh data would: the gradients of two random halves
+    A, B of the groups, from the batch (S) and from the same prompts sampled again by the current
+    weights (F). `*_gradient_of(rows)` is the flat gradient of those rows' loss at the step's starting
+    weights, each normalised by its own tokens.
+
+    A half's gradient is its data's mean direction plus sampling noise, so cosines between disjoint
+    halves are small even for the same data (the noise floor: cos(S_A, S_B), cos(F_A, F_B)). Their ratio
+    cos(S, F) / √(cos(S_A, S_B) · cos(F_A, F_B)) removes that attenuation (Spearman's correction): about 1
+    when stale and fresh data share their mean direction (η = 0 is the control), less by as much as the
+    stale data points elsewhere."""
+    if groups < 4:
         return {}
-    by_age, at_random = old_new_halves(group_versions, rng)
+    order = rng.permutation(groups)
+    halves = [order[:groups // 2], order[groups // 2:2 * (groups // 2)]]
 
-    def rows(groups: np.ndarray) -> np.ndarray:
-        return (np.sort(groups)[:, None] * group_size + np.arange(group_size)).ravel()
+    def rows(part: np.ndarray) -> np.ndarray:
+        return (np.sort(part)[:, None] * group_size + np.arange(group_size)).ravel()
 
-    old, new = (gradient_of(rows(g)) for g in by_age)
-    first, second = (gradient_of(rows(g)) for g in at_random)
-    return {"grad_cos_old_new": cosine(old, new), "grad_cos_halves": cosine(first, second),
-            "grad_old_new_age_gap": float(np.mean(group_versions[by_age[1]]) - np.mean(group_versions[by_age[0]]))}
+    stale_a, stale_b = (stale_gradient_of(rows(h)) for h in halves)
+    fresh_a, fresh_b = (fresh_gradient_of(rows(h)) for h in halves)
+    same_stale, same_fresh = cosine(stale_a, stale_b), cosine(fresh_a, fresh_b)
+    across = 0.5 * (cosine(stale_a, fresh_b) + cosine(fresh_a, stale_b))
+    out = {"grad_cos_stale_halves": same_stale, "grad_cos_fresh_halves": same_fresh, "grad_cos_stale_fresh": across}
+    if same_stale > 0 and same_fresh > 0:
+        out["grad_signal_alignment"] = across / float(np.sqrt(same_stale * same_fresh))
+    # a half without any advantage (every group's rewards equal) has no gradient: no direction to compare
+    return {name: value for name, value in out.items() if np.isfinite(value)}
 
 
 def finish(totals: dict[str, Any]) -> dict[str, Any]:

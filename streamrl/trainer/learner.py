@@ -28,12 +28,13 @@ import pyarrow as pa
 import torch
 
 from streamrl.buffer.padded import to_padded
+from streamrl.buffer.schema import build_batch, list_offsets, list_values
 from streamrl.config import TrainerSection
 from streamrl.correction import LossConfig
 from streamrl.engine.base import generate
 from streamrl.engine.local_weights import LocalWeights
 from streamrl.engine.torch_engine import TorchEngine
-from streamrl.tasks import Task
+from streamrl.tasks import Task, group_rewards
 from streamrl.trainer.step import StepPlan, run_step
 
 
@@ -172,6 +173,12 @@ class Trainer:
         self.version = version
         self.optimizer_steps = 0  # taken so far: the schedule's position, saved with the checkpoint
         self._rng = np.random.default_rng(seed)  # the mini-batch shuffle
+        self._fresh: dict[str, Any] | None = None  # trainer.diagnose_every: how to sample a step's prompts again
+
+    def diagnose_with(self, task: Task, *, max_new_tokens: int, temperature: float, top_p: float) -> None:
+        """On diagnosed steps (`trainer.diagnose_every`), sample the step's prompts again with the current
+        weights and score them by `task`: the fresh data the step's own is compared with."""
+        self._fresh = {"task": task, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
 
     @property
     def tokenizer(self) -> Any:
@@ -182,12 +189,45 @@ class Trainer:
         version + 1. A non-finite gradient in any mini-batch rolls the whole step back and raises."""
         start = time.perf_counter()
         batch = to_padded(table, self.backend.pad_id).to(self.backend.device)
+        every = self.plan.diagnose_every
+        fresh = None
+        if self._fresh is not None and every and self.version % every == 0:
+            fresh = to_padded(self.sample_again(table), self.backend.pad_id).to(self.backend.device)
         metrics = run_step(self.backend, self.plan, batch, version=self.version, optimizer_steps=self.optimizer_steps,
-                           rng=self._rng)
+                           rng=self._rng, fresh=fresh)
         self.optimizer_steps += metrics["optimizer_steps"]
         self.version += 1
         metrics["train_s"] = time.perf_counter() - start
         return metrics
+
+    @torch.no_grad()
+    def sample_again(self, table: pa.Table | pa.RecordBatch) -> pa.RecordBatch:
+        """The prompts of `table`'s groups (rows of a group adjacent), G samples each from the current
+        weights, scored by the task given to `diagnose_with`: a batch of the same shape, never trained on."""
+        fresh, g = self._fresh, self.group_size
+        prompt_offsets = list_offsets(table.column("prompt_ids"))[::g]
+        tokens = list_values(table.column("prompt_ids"))
+        prompts = [tokens[a:b].tolist() for a, b in zip(prompt_offsets, list_offsets(table.column("prompt_ids"))[1::g])]
+        prompt_ids = table.column("prompt_id").to_numpy()[::g]
+        with self.backend.evaluation_model() as model:
+            model.eval()
+            engine = TorchEngine(LocalWeights(model, version=self.version), pad_id=self.backend.pad_id,
+                                 stop_ids=fresh["task"].stop_token_ids, max_new_tokens=fresh["max_new_tokens"],
+                                 capacity=len(prompts) * g, temperature=fresh["temperature"], top_p=fresh["top_p"],
+                                 seed=self.version)
+            generation = generate(engine, prompts, samples_per_prompt=g)
+        rewards = np.concatenate([group_rewards(fresh["task"], int(pid), [generation.response(i * g + j)
+                                                                          for j in range(g)])
+                                  for i, pid in enumerate(prompt_ids)]).astype(np.float32)
+        rows = len(prompts) * g
+        prompt_lengths = np.repeat([len(p) for p in prompts], g)
+        return build_batch(
+            group_id=table.column("group_id").to_numpy(), prompt_id=np.repeat(prompt_ids, g),
+            sample_index=np.tile(np.arange(g), len(prompts)), producer_id=-1,
+            prompt_tokens=np.concatenate([np.asarray(p, np.int32) for p in prompts for _ in range(g)]),
+            prompt_offsets=np.r_[0, np.cumsum(prompt_lengths)], response_tokens=generation.tokens,
+            response_offsets=generation.offsets, behavior_logprobs=generation.logprobs, versions=generation.versions,
+            reward=rewards, finish_reason=generation.finish[:rows])
 
     def weights(self) -> dict[str, np.ndarray]:
         return self.backend.weights()

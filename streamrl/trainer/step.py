@@ -127,11 +127,12 @@ class StepPlan:
 
 
 def run_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, *, version: int, optimizer_steps: int,
-             rng: np.random.Generator) -> dict[str, float]:
+             rng: np.random.Generator, fresh: PaddedBatch | None = None) -> dict[str, Any]:
     """One step on `batch` (complete groups, rows of a group adjacent); `optimizer_steps` taken before it
     (the schedule's position), `rng` the mini-batch shuffle's. A non-finite gradient in any mini-batch
     restores the backend to where it was and raises FloatingPointError. Returns the step's metrics,
-    `optimizer_steps` (taken by this step) among them."""
+    `optimizer_steps` (taken by this step) among them. `fresh`, on a diagnosed step: the same prompts
+    sampled by the current weights, for `streamrl.trainer.diagnostics` (never trained on)."""
     lengths = (batch.prompt_lengths + batch.response_lengths).cpu().numpy()
     mask = batch.loss_mask[:, 1:]
     adv = broadcast_to_tokens(advantages(batch.rewards, plan.group_size, plan.advantage), mask)
@@ -148,12 +149,18 @@ def run_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, *, version: i
         if plan.with_reference else None
     totals: dict[str, float] = data_diagnostics(batch, mine, mask, proximal, version=version,
                                                 group_size=plan.group_size)
+    diagnosed = diagnose and fresh is not None and backend.shard(np.arange(len(lengths))).size == len(lengths)
     extra = {}
-    if diagnose:
+    if diagnosed:  # at the step's starting weights, before any optimizer step
+        fresh_lengths = (fresh.prompt_lengths + fresh.response_lengths).cpu().numpy()
+        fresh_mask = fresh.loss_mask[:, 1:]
+        fresh_adv = broadcast_to_tokens(advantages(fresh.rewards, plan.group_size, plan.advantage), fresh_mask)
         extra = diagnostics.gradient_alignment(
             lambda rows: _gradient(backend, plan, batch, rows, lengths, mask, adv, proximal=proximal,
                                    reference=reference, version=version, keywords=keywords),
-            _group_versions(batch, mine, plan.group_size), plan.group_size, np.random.default_rng(version))
+            lambda rows: _gradient(backend, plan, fresh, rows, fresh_lengths, fresh_mask, fresh_adv, proximal=None,
+                                   reference=None, version=version, keywords={}),
+            len(lengths) // plan.group_size, plan.group_size, np.random.default_rng(version))
     saved = backend.snapshot() if len(parts) > 1 else None
     grad_norms = []
     step_tokens = int(mask.sum())
@@ -167,11 +174,12 @@ def run_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, *, version: i
             if saved is not None:  # earlier mini-batches of this step were applied: undo them
                 backend.restore(saved)
             raise
-    if diagnose:
-        after = forward_logprobs(backend, batch, lengths, mine, plan.micro_batch_tokens)
-        rows_t = torch.from_numpy(mine)
-        valid = _valid(batch, mask, proximal)[rows_t]
-        totals.update(diagnostics.update_kl_sums(proximal[rows_t], after[rows_t], valid))
+    if diagnosed:  # how far the step moved the policy, on samples of the policy it started from
+        every = np.arange(len(fresh_lengths))
+        after = forward_logprobs(backend, fresh, fresh_lengths, every, plan.micro_batch_tokens)
+        before = fresh.behavior_logprobs[:, 1:]
+        valid = fresh_mask.bool() & torch.isfinite(before)
+        extra.update(diagnostics.finish(diagnostics.update_kl_sums(before, after, valid)))
     totals = diagnostics.finish(whole_step_ess(mean_mismatch(merge_ranks(backend.gather_metrics(totals)))))
     totals.update(extra, grad_norm=float(np.mean(grad_norms)), response_tokens=step_tokens,
                   trained_tokens=int(lengths.sum()), samples=len(lengths), optimizer_steps=len(parts),
@@ -194,13 +202,6 @@ def data_diagnostics(batch: PaddedBatch, rows: np.ndarray, mask: torch.Tensor, p
 
 def _valid(batch: PaddedBatch, mask: torch.Tensor, proximal: torch.Tensor) -> torch.Tensor:
     return mask.bool() & torch.isfinite(batch.behavior_logprobs[:, 1:]) & torch.isfinite(proximal)
-
-
-def _group_versions(batch: PaddedBatch, rows: np.ndarray, group_size: int) -> np.ndarray:
-    """Each group's behaviour version (the oldest of its tokens), for the groups of `rows`."""
-    versions = batch.versions[:, 1:][torch.from_numpy(rows)]
-    oldest = torch.where(versions >= 0, versions, torch.iinfo(versions.dtype).max).min(-1).values
-    return oldest.reshape(-1, group_size).min(-1).values.cpu().numpy()
 
 
 def _gradient(backend: Backend, plan: StepPlan, batch: PaddedBatch, rows: np.ndarray, lengths: np.ndarray,

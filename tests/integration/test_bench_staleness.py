@@ -110,9 +110,9 @@ def test_a_tiny_sweep_writes_every_pair_it_ran(tmp_path):
             assert {"final_reward_mean", "final_reward_std", "staleness_mean", "kl_behavior_proximal_mean",
                     "time_to_target_s_mean"} <= set(cell)
             assert cell["runs"][0]["steps"] == 6
-            # the diagnosis: every step's data figures, the diagnosed steps' gradient alignment
-            assert cell["zero_signal_fraction_mean"] is not None and -1 <= cell["grad_cos_halves_mean"] <= 1
-            assert cell["update_kl_mean"] > 0 and 0 <= cell["regenerated_fraction"] <= 1
+            # the diagnosis: every step's data figures; the diagnosed steps' fresh samples and the step's move
+            assert cell["zero_signal_fraction_mean"] is not None and cell["update_kl_mean"] > 0
+            assert 0 <= cell["regenerated_fraction"] <= 1
     assert report["results"]["1"]["naive"]["staleness_max"] <= 1
     assert {"per_correction"} <= set(report["headline"])  # no η = 0 run here: no ratios to report
     assert out.with_suffix(".png").is_file()

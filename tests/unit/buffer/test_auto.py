@@ -41,6 +41,29 @@ def test_a_fed_trainer_keeps_eta_and_a_step_without_timing_decides_nothing():
     assert fresh.update({"ess": 0.1}).reason == "no_signal" and fresh.eta == 2
 
 
+def test_a_fed_trainer_tries_one_less_every_probe_steps_down_to_auto_min():
+    """A budget the trainer does not need only makes the data older: the controller lowers it."""
+    auto = AutoStaleness(AUTO.model_copy(update={"auto_probe_steps": 3}), eta=4)
+    decisions = [auto.update(step(wait_s=0.0)) for _ in range(12)]
+    assert [d.eta for d in decisions] == [4, 4, 3, 3, 3, 2, 2, 2, 1, 1, 1, 1]
+    assert [d.reason for d in decisions if d.reason != "steady"] == ["idle", "idle", "idle"]
+    assert AutoStaleness(AUTO, eta=4).update(step(wait_s=0.02)).reason == "steady"  # between wait_low and wait_min
+
+
+def test_a_probe_that_starves_the_trainer_sets_a_floor_until_it_expires():
+    config = AUTO.model_copy(update={"auto_probe_steps": 2, "auto_cooldown": 1})
+    auto = AutoStaleness(config, eta=3)
+    fed, starved = step(wait_s=0.0), step(wait_s=0.5)
+    assert [auto.update(fed).eta for _ in range(2)] == [3, 2]  # a probe
+    assert auto.update(starved).reason == "starved" and auto.eta == 3  # it starved: back, 3 is the floor
+    floor_held = [auto.update(fed) for _ in range(10)]  # 5 × probe_steps
+    assert {d.eta for d in floor_held} == {3} and {d.reason for d in floor_held} == {"steady"}
+    assert auto.update(fed).reason == "idle" and auto.eta == 2  # expired: probed again
+    again = AutoStaleness(config)
+    again.restore(auto.state())
+    assert again.state() == auto.state()
+
+
 def test_signals_are_smoothed_so_one_bad_step_does_not_move_eta():
     auto = AutoStaleness(AUTO.model_copy(update={"auto_smoothing": 0.2}), eta=3)
     for _ in range(4):

@@ -50,19 +50,21 @@ def test_update_kl_is_zero_without_movement_and_positive_with_it():
     assert moved["update_kl_sum"] == pytest.approx((math.exp(0.3) - 1.3) + (math.exp(-0.3) - 0.7))
 
 
-def test_halves_by_age_put_the_older_groups_first_and_the_control_is_a_random_split():
-    versions = np.array([5, 2, 7, 2, 9, 1])
-    (old, new), (a, b) = diagnostics.old_new_halves(versions, np.random.default_rng(0))
-    assert sorted(versions[old]) == [1, 2, 2] and sorted(versions[new]) == [5, 7, 9]
-    assert sorted(np.concatenate([a, b]).tolist()) == list(range(6)) and len(a) == len(b) == 3
+def test_alignment_is_one_when_stale_and_fresh_share_their_direction_under_noise():
+    """Each half's gradient is a common direction plus noise: the raw cosines are small, the corrected
+    alignment is about 1; with the stale data pointing elsewhere it is about the cosine of the directions."""
+    generator = torch.Generator().manual_seed(0)
+    dim, noise = 2000, 0.5  # |noise| ≈ 22 against a signal of 30: raw cosines about 0.65
+    direction = torch.zeros(dim, dtype=torch.float64)
+    direction[0] = 1.0
+    elsewhere = torch.zeros(dim, dtype=torch.float64)
+    elsewhere[:2] = torch.tensor([0.6, 0.8])  # cos(direction, elsewhere) = 0.6
 
+    def half(mean):
+        return lambda rows: mean * 30 + noise * torch.randn(dim, generator=generator, dtype=torch.float64)
 
-def test_alignment_of_identical_and_opposite_gradients():
-    gradients = {0: torch.tensor([1.0, 0.0]), 1: torch.tensor([1.0, 0.0])}
-
-    def gradient_of(rows):  # every row of the older half points one way, of the newer the other
-        return torch.tensor([1.0, 0.0]) if rows.min() < 4 else torch.tensor([-1.0, 0.0])
-
-    out = diagnostics.gradient_alignment(gradient_of, np.array([0, 0, 1, 1]), 2, np.random.default_rng(0))
-    assert out["grad_cos_old_new"] == pytest.approx(-1.0) and out["grad_old_new_age_gap"] == 1.0
-    assert gradients and diagnostics.gradient_alignment(gradient_of, np.array([0, 1]), 2, np.random.default_rng(0)) == {}
+    same = diagnostics.gradient_alignment(half(direction), half(direction), 16, 2, np.random.default_rng(0))
+    assert same["grad_cos_stale_halves"] < 0.95 and same["grad_signal_alignment"] == pytest.approx(1.0, abs=0.05)
+    apart = diagnostics.gradient_alignment(half(elsewhere), half(direction), 16, 2, np.random.default_rng(0))
+    assert apart["grad_signal_alignment"] == pytest.approx(0.6, abs=0.05)
+    assert diagnostics.gradient_alignment(half(direction), half(direction), 3, 2, np.random.default_rng(0)) == {}

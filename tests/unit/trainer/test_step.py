@@ -229,26 +229,28 @@ def test_ranks_metrics_merge_by_one_rule():
 
 
 def test_a_diagnosed_step_trains_exactly_as_an_undiagnosed_one():
-    """The diagnostics' extra passes (gradients of halves of the batch, KL after the step) leave the
-    weights, the optimizer state and the mini-batch shuffle as they were."""
-    batch = padded_batch(groups=8, seed=3)
+    """The diagnostics' extra passes (gradients of halves of the batch and of a fresh one, KL after the
+    step) leave the weights, the optimizer state and the mini-batch shuffle as they were."""
+    batch, fresh = padded_batch(groups=8, seed=3), padded_batch(groups=8, seed=5)
     plain, diagnosed = BigramBackend(), BigramBackend()
     m_plain = step(plain, plan(minibatches=2), batch)
-    m_diag = step(diagnosed, plan(minibatches=2, diagnose_every=1), batch)
+    m_diag = run_step(diagnosed, plan(minibatches=2, diagnose_every=1), batch, version=0, optimizer_steps=0,
+                      rng=np.random.default_rng(0), fresh=fresh)
     torch.testing.assert_close(plain.model.table, diagnosed.model.table, atol=0, rtol=0)
     for key, value in plain.optimizer.state_dict()["state"][0].items():
         torch.testing.assert_close(diagnosed.optimizer.state_dict()["state"][0][key], value, atol=0, rtol=0)
     assert m_diag["loss"] == m_plain["loss"]
     assert m_diag["update_kl"] > 0 and "update_kl" not in m_plain  # the step moved the policy
     # every token of the synthetic batch is of version 0 and the step is at version 0: one lag
-    assert m_diag["kl_by_lag"].keys() == {"0"} and -1 <= m_diag["grad_cos_old_new"] <= 1
-    assert -1 <= m_diag["grad_cos_halves"] <= 1 and m_diag["grad_old_new_age_gap"] == 0
+    assert m_diag["kl_by_lag"].keys() == {"0"}
+    for name in ("grad_cos_stale_halves", "grad_cos_fresh_halves", "grad_cos_stale_fresh"):
+        assert -1 <= m_diag[name] <= 1
 
 
-def test_the_halves_gradients_are_the_steps_gradient_split_by_rows():
-    """`grad_cos_*` compares the gradients the step follows: taken at the step's starting weights, each
+def test_the_halves_gradients_are_the_gradients_of_one_step_split_by_rows():
+    """The alignment compares the gradients a step follows: taken at the step's starting weights, each
     half's normalised by its own tokens, so that the token-weighted mean of two complementary halves is
-    the gradient of the step's one optimizer step."""
+    the gradient of one optimizer step on the whole batch — the stale batch's and the fresh one's."""
 
     class Recording(BigramBackend):
         def __init__(self):
@@ -264,13 +266,18 @@ def test_the_halves_gradients_are_the_steps_gradient_split_by_rows():
             self.step_gradients.append(self.model.table.grad.flatten().clone())
             return super().clip_gradients(max_norm)
 
-    batch, backend = padded_batch(groups=8, seed=4), Recording()
-    step(backend, plan(minibatches=1, diagnose_every=1, grad_clip=1e9), batch)
-    tokens = batch.loss_mask[:, 1:].sum(-1).numpy()
+    batch, fresh = padded_batch(groups=8, seed=4), padded_batch(groups=8, seed=6)
+    backend, fresh_step = Recording(), Recording()
+    run_step(backend, plan(minibatches=1, diagnose_every=1, grad_clip=1e9), batch, version=0, optimizer_steps=0,
+             rng=np.random.default_rng(0), fresh=fresh)
+    step(fresh_step, plan(minibatches=1, grad_clip=1e9), fresh)  # what one step on the fresh batch follows
     assert len(backend.halves) == 4 and len(backend.step_gradients) == 1
-    for (rows_a, grad_a), (rows_b, grad_b) in (backend.halves[:2], backend.halves[2:]):
+    for data, pair, whole in ((batch, backend.halves[:2], backend.step_gradients[0]),
+                              (fresh, backend.halves[2:], fresh_step.step_gradients[0])):
+        tokens = data.loss_mask[:, 1:].sum(-1).numpy()
+        (rows_a, grad_a), (rows_b, grad_b) = pair
         assert sorted(np.concatenate([rows_a, rows_b]).tolist()) == list(range(8 * GROUP))
         n_a, n_b = tokens[rows_a].sum(), tokens[rows_b].sum()
         # to float32's precision: the behaviour log-probs and the advantages are float32
-        torch.testing.assert_close((n_a * grad_a + n_b * grad_b) / (n_a + n_b), backend.step_gradients[0],
-                                   atol=1e-8, rtol=1e-6)
+        torch.testing.assert_close((n_a * grad_a + n_b * grad_b) / (n_a + n_b), whole, atol=1e-8, rtol=1e-6)
+    assert sorted(backend.halves[0][0]) == sorted(backend.halves[2][0])  # the same prompts in each half

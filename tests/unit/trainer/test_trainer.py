@@ -359,3 +359,29 @@ def test_on_cuda_a_bfloat16_step_keeps_float32_master_weights_and_reports_its_mi
     metrics = bf16.train(data)
     assert bf16.backend.device.type == "cuda" and {p.dtype for p in bf16.backend.model.parameters()} == {torch.float32}
     assert 0 < metrics["mismatch_abs_max"] < 0.5 and np.isfinite(metrics["loss"]) and "kl_ref" in metrics
+
+
+def test_a_diagnosed_step_samples_its_prompts_again_and_compares_the_gradients(tiny_model_dir):
+    from streamrl.buffer import validate_batch
+
+    class ParityOfTokens(ReverseDigits):  # a reward an untrained model's samples differ in
+        def reward(self, prompt_id, response_ids):
+            return float(sum(response_ids) % 2)
+
+    task = ParityOfTokens(3)
+    data = batch(groups=4, group_size=4)
+    t = TorchTrainer(tiny_model_dir, trainer=TrainerSection(diagnose_every=2, minibatches=2),
+                     loss=LossConfig(), group_size=4)
+    t.diagnose_with(task, max_new_tokens=6, temperature=1.0, top_p=1.0)
+    fresh = t.sample_again(data)
+    validate_batch(fresh, group_size=4, trainer_version=t.version)  # a batch the queue would take
+    assert fresh.column("group_id").to_pylist() == data.column("group_id").to_pylist()
+    group_prompts = data.column("prompt_ids").to_pylist()[::4]  # a real group's rows share their prompt
+    assert fresh.column("prompt_ids").to_pylist() == [p for p in group_prompts for _ in range(4)]
+    assert {v for row in fresh.column("versions").to_pylist() for v in row} == {t.version}
+    expected = [task.reward(p, r) for p, r in zip(fresh.column("prompt_id").to_pylist(),
+                                                   fresh.column("response_ids").to_pylist())]
+    assert fresh.column("reward").to_pylist() == pytest.approx(expected)
+    diagnosed = t.train(data)  # version 0: diagnosed
+    assert diagnosed["update_kl"] > 0 and -1 <= diagnosed["grad_cos_stale_fresh"] <= 1
+    assert "update_kl" not in t.train(batch(seed=1))  # version 1: not
