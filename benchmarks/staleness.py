@@ -41,13 +41,23 @@ QUICK = {"etas": [0, 4, "auto"], "corrections": ["decoupled_ppo", "m2po"], "seed
 TARGETS = [("best_eta4_over_eta0", ">=", 0.95), ("auto_time_to_target_over_sync", "<=", 0.5),
            ("auto_final_over_eta0", ">=", 0.95)]
 TARGET_FRACTION = 0.8  # the target reward: this fraction of the η = 0 runs' final reward
-CORRECTIONS = ["naive", "tis", "decoupled_ppo", "masked_is", "ppo_bypass", "reinforce", "m2po", "gspo"]
+CORRECTIONS = ["naive", "tis", "decoupled_ppo", "masked_is", "ppo_bypass", "reinforce", "m2po", "gspo", "topr"]
 # ESS is of the weights a loss applies (1 for naive, which applies none); KL(behaviour → proximal)
 # describes the data's off-policyness whatever the objective.
 LOSS_METRICS = ("ess", "kl_behavior_proximal", "clipped_fraction", "truncated_fraction", "masked_fraction")
 # where the reward goes (streamrl/trainer/diagnostics.py): per step where reported, averaged over the run
 DIAGNOSTICS = ("kl_lag1", "update_kl", "grad_cos_stale_halves", "grad_cos_fresh_halves", "grad_cos_stale_fresh",
-               "grad_signal_alignment", "zero_signal_fraction", "baseline_shift")
+               "zero_signal_fraction", "baseline_shift")
+
+
+def alignment(figures: dict[str, Any]) -> float | None:
+    """The noise-corrected alignment of stale and fresh gradients (streamrl.trainer.diagnostics) from the
+    mean cosines over many diagnosed steps: one step's ratio of small cosines is too noisy to average."""
+    same_stale, same_fresh = figures.get("grad_cos_stale_halves_mean"), figures.get("grad_cos_fresh_halves_mean")
+    across = figures.get("grad_cos_stale_fresh_mean")
+    if None in (same_stale, same_fresh, across) or same_stale <= 0 or same_fresh <= 0:
+        return None
+    return across / float(np.sqrt(same_stale * same_fresh))
 
 
 def final_mean(values: list[float]) -> float:
@@ -119,7 +129,7 @@ def run_one(root: str, eta: int | str, correction: str, seed: int, steps: int, m
     metrics = run_dir.read("metrics.jsonl")
     staleness = [s for row in run_dir.read("groups.jsonl") for s in row["staleness"]]
     rewards = [m["reward_mean"] for m in metrics]
-    return {
+    run = {
         "eta": eta, "correction": correction, "seed": seed, "steps": len(metrics),
         "final_reward": final_mean(rewards), "mean_reward": float(np.mean(rewards)),
         "eval_accuracy": summary.get("eval_accuracy_last"),
@@ -133,6 +143,8 @@ def run_one(root: str, eta: int | str, correction: str, seed: int, steps: int, m
         "curve": {"step": [m["step"] for m in metrics], "reward": rewards,
                   "elapsed_s": [m["elapsed_s"] for m in metrics], "eta": [m["max_staleness"] for m in metrics]},
     }
+    run["grad_alignment"] = alignment(run)
+    return run
 
 
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -175,6 +187,7 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 "step_s_mean": _mean_of([r.get("step_s") for r in seeds]),
                 "runs": seeds,
             }
+            by_correction[correction]["grad_alignment"] = alignment(by_correction[correction])
     return results
 
 
@@ -301,7 +314,7 @@ def print_table(results: dict[str, dict[str, Any]], console: Console) -> None:
 
 DIAGNOSIS_COLUMNS = [("kl_behavior_proximal_mean", ".4f"), ("update_kl_mean", ".4f"),
                      ("grad_cos_stale_halves_mean", ".3f"), ("grad_cos_fresh_halves_mean", ".3f"),
-                     ("grad_cos_stale_fresh_mean", ".3f"), ("grad_signal_alignment_mean", ".2f"),
+                     ("grad_cos_stale_fresh_mean", ".3f"), ("grad_alignment", ".2f"),
                      ("zero_signal_fraction_mean", ".1%"), ("baseline_shift_mean", ".4f"),
                      ("regenerated_fraction", ".1%"), ("regenerated_length_over_trained", ".2f"),
                      ("step_s_mean", ".3f")]

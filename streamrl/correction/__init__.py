@@ -14,10 +14,11 @@ from streamrl.correction.losses import (
     ppo_bypass,
     reinforce,
     tis,
+    topr,
 )
 
 __all__ = [
     "LOSSES", "LossConfig", "PolicyBatch", "broadcast_to_tokens", "decoupled_ppo", "grpo_advantages",
     "gspo", "m2po", "make_loss", "masked_is", "naive", "ppo_bypass", "reinforce", "rloo_advantages", "tis",
-    "token_entropy", "token_logprobs",
+    "token_entropy", "token_logprobs", "topr",
 ]

@@ -20,9 +20,10 @@ class LossConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     name: Literal["decoupled_ppo", "ppo_bypass", "tis", "masked_is", "reinforce", "naive", "m2po",
-                  "gspo"] = "decoupled_ppo"
+                  "gspo", "topr"] = "decoupled_ppo"
     """Which objective; `decoupled_ppo` corrects for stale data by default, `naive` is the baseline;
-    `m2po` and `gspo` are trust regions meant for data many versions stale."""
+    `m2po` and `gspo` are trust regions meant for data many versions stale; `topr` imitates the better
+    samples and tapers the worse ones by their sequence ratio."""
     clip_low: float = Field(0.2, gt=0, lt=1)
     """PPO ε: the ratio is clipped below at 1 − ε."""
     clip_high: float = Field(0.2, gt=0)
@@ -72,6 +73,7 @@ _PARAMS = {
     "naive": ("clip_low", "clip_high"),
     "m2po": ("m2_tau",),
     "gspo": ("seq_clip_low", "seq_clip_high", "is_cap"),
+    "topr": (),
 }
 
 

@@ -14,6 +14,7 @@ Notation (all [N, T], aligned to response tokens): `b` behaviour log-prob (the e
 | `naive`         | −min(r·A, clip(r)·A): PPO on p, behaviour ignored (the baseline)  | yes     |
 | `m2po`          | −M · e^(θ−b) · A; M masks trust-region tokens of largest (p−b)² until their mean ≤ τ | yes |
 | `gspo`          | −min(e^(p̄−b̄), C) · min(s·A, clip(s, 1−ε, 1+ε_h)·A), s = e^(mean_t(θ−p)) per sequence | yes |
+| `topr`          | −w·A·θ; w = 1 where A > 0, sg(min(e^(Σ_t θ−b), 1)) where A < 0 (per sequence) | no |
 
 `masked_is` checks the ratio per token, per sequence (product) or by geometric mean (`level`).
 
@@ -352,6 +353,23 @@ def gspo(batch: PolicyBatch, *, seq_clip_low: float = 3e-4, seq_clip_high: float
                    **_common(aggregation, denominator, kl_coef, kl_estimator, trainer_version))
 
 
+def topr(batch: PolicyBatch, *, aggregation: Aggregation = "token_mean", denominator: float | None = None,
+         kl_coef: float = 0.0, kl_estimator: Literal["k1", "k3"] = "k3", trainer_version: int | None = None):
+    """TOPR (Le Roux et al., 2025, "Tapered Off-Policy REINFORCE"): samples better than their group
+    are imitated at full weight, however stale (a right answer stays right); samples worse than it
+    are pushed down with their sequence's ratio π_θ(y)/μ(y) truncated at 1 (no gradient through it),
+    so a bad answer the current policy already avoids weighs little, and no weight ever exceeds 1."""
+    valid, b, _ = _prepare(batch, needs_proximal=False)
+    is_log_ratio = batch.logprobs.detach() - b
+    sequence_ratio = _exp_ratio(torch.where(valid, is_log_ratio, 0.0).sum(-1, keepdim=True)).expand_as(b)
+    positive = batch.advantages > 0
+    w = torch.where(positive, 1.0, sequence_ratio.clamp(max=1.0))
+    per_token = -w * batch.advantages * batch.logprobs
+    return _finish(per_token, batch, valid, is_log_ratio=is_log_ratio, weights=w, clipped=None,
+                   truncated=~positive & (sequence_ratio > 1.0) & valid, rejected=None,
+                   **_common(aggregation, denominator, kl_coef, kl_estimator, trainer_version))
+
+
 LOSSES = {
     "decoupled_ppo": decoupled_ppo,
     "ppo_bypass": ppo_bypass,
@@ -361,6 +379,8 @@ LOSSES = {
     "naive": naive,
     "m2po": m2po,
     "gspo": gspo,
+    "topr": topr,
 }
 NEEDS_PROXIMAL = {"decoupled_ppo": True, "ppo_bypass": False, "tis": True, "masked_is": True,
-                  "reinforce": False, "naive": True, "m2po": True, "gspo": True}
+                  "reinforce": False, "naive": True, "m2po": True, "gspo": True,
+                  "topr": False}

@@ -322,3 +322,18 @@ def test_gspo_gradient_is_the_sequence_ratios_with_a_truncated_sequence_weight()
     expected = (-w * a * s * active / mask.sum()).expand_as(theta) * mask
     torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
     assert 0 < float(metrics["clipped_fraction"]) < 1
+
+
+def test_topr_imitates_better_samples_and_tapers_worse_ones_by_their_sequence_ratio():
+    theta, b, p, adv, mask = make_batch(spread=0.1, prox_shift=0.4, seed=3)
+    adv = adv[:, :1].expand_as(adv).clone()  # one advantage per sequence
+    adv[0] = -adv[0].abs()
+    b = b.clone()
+    b[0] = theta.detach()[0] + 0.5  # a worse sample the current policy avoids: sequence ratio < 1
+    grad, _, metrics = grad_of("topr", theta, b, p, adv, mask)
+    log_ratio = torch.where(mask, theta.detach() - b, 0.0).sum(-1, keepdim=True)
+    w = torch.where(adv > 0, 1.0, torch.exp(log_ratio).clamp(max=1.0))  # no gradient through the taper
+    torch.testing.assert_close(grad, -w * adv * mask / mask.sum(), rtol=1e-12, atol=1e-12)
+    worse = adv[:, 0] < 0
+    assert bool(worse.any()) and bool((adv[:, 0] > 0).any())  # the case has both kinds
+    assert float(w[0, 0]) < 1.0 and float(w.max()) <= 1.0 and float(metrics["ess"]) <= 1.0
