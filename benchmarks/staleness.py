@@ -34,9 +34,9 @@ from streamrl.runtime.launch import launch, prepare
 # Four PPO mini-batches per consumed batch: the regime in which the corrections differ (with one
 # optimizer step per batch the proximal policy is θ itself and decoupled PPO is truncated IS, see
 # streamrl/trainer/torch_trainer.py), and the tiny model learns ~2× more per step.
-FULL = {"etas": [0, 2, 4, 8, "auto"], "corrections": ["naive", "decoupled_ppo", "m2po", "gspo"], "seeds": [0, 1, 2, 3],
+FULL = {"etas": [0, 2, 4, 8, "auto"], "corrections": ["naive", "decoupled_ppo", "m2po", "topr"], "seeds": [0, 1, 2, 3],
         "steps": 150, "minibatches": 4}
-QUICK = {"etas": [0, 4, "auto"], "corrections": ["decoupled_ppo", "m2po"], "seeds": [0, 1], "steps": 100,
+QUICK = {"etas": [0, 4, "auto"], "corrections": ["decoupled_ppo", "topr"], "seeds": [0, 1], "steps": 100,
          "minibatches": 4}
 TARGETS = [("best_eta4_over_eta0", ">=", 0.95), ("auto_time_to_target_over_sync", "<=", 0.5),
            ("auto_final_over_eta0", ">=", 0.95)]
@@ -270,7 +270,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(13, 4.8))
-    styles = {"naive": ":", "tis": "--", "decoupled_ppo": "-"}
+    styles = {"naive": ":", "tis": (0, (1, 3)), "decoupled_ppo": "-", "m2po": "-.", "topr": "--", "gspo": (0, (5, 1))}
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, eta in enumerate(sorted(results, key=eta_order)):
         for correction, cell in sorted(results[eta].items()):
