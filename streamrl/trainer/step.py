@@ -11,6 +11,9 @@ optimizer steps, over a small `Backend` that runs the model.
      backend.clip_gradients (after its reductions: every rank the same norm) ─► non-finite: roll back, raise
      backend.optimizer_step(lr of this optimizer step)
  metrics: each micro-batch's weighted by its share of the step's tokens, then every rank's merged
+ diagnosed steps (trainer.diagnose_every, one rank): before the first optimizer step the gradients of
+   halves of the batch and of `fresh` (its prompts sampled again by these weights); after the last,
+   KL from before to after on `fresh` (streamrl.trainer.diagnostics)
 ```
 The proximal log-probs `p` are the trainer's weights at the start of the step. With one optimizer
 step per consumed batch (the default) `p` equals θ's value in the same forward pass, so it is taken as
@@ -133,9 +136,7 @@ def run_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, *, version: i
     restores the backend to where it was and raises FloatingPointError. Returns the step's metrics,
     `optimizer_steps` (taken by this step) among them. `fresh`, on a diagnosed step: the same prompts
     sampled by the current weights, for `streamrl.trainer.diagnostics` (never trained on)."""
-    lengths = (batch.prompt_lengths + batch.response_lengths).cpu().numpy()
-    mask = batch.loss_mask[:, 1:]
-    adv = broadcast_to_tokens(advantages(batch.rewards, plan.group_size, plan.advantage), mask)
+    lengths, mask, adv = _padded_parts(batch, plan)
     parts = minibatch_rows(len(lengths), plan.group_size, plan.minibatches, rng)
     mine = np.sort(np.concatenate([backend.shard(rows) for rows in parts]))
     diagnose = plan.diagnose_every > 0 and version % plan.diagnose_every == 0
@@ -150,17 +151,8 @@ def run_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, *, version: i
     totals: dict[str, float] = data_diagnostics(batch, mine, mask, proximal, version=version,
                                                 group_size=plan.group_size)
     diagnosed = diagnose and fresh is not None and backend.shard(np.arange(len(lengths))).size == len(lengths)
-    extra = {}
-    if diagnosed:  # at the step's starting weights, before any optimizer step
-        fresh_lengths = (fresh.prompt_lengths + fresh.response_lengths).cpu().numpy()
-        fresh_mask = fresh.loss_mask[:, 1:]
-        fresh_adv = broadcast_to_tokens(advantages(fresh.rewards, plan.group_size, plan.advantage), fresh_mask)
-        extra = diagnostics.gradient_alignment(
-            lambda rows: _gradient(backend, plan, batch, rows, lengths, mask, adv, proximal=proximal,
-                                   reference=reference, version=version, keywords=keywords),
-            lambda rows: _gradient(backend, plan, fresh, rows, fresh_lengths, fresh_mask, fresh_adv, proximal=None,
-                                   reference=None, version=version, keywords={}),
-            len(lengths) // plan.group_size, plan.group_size, np.random.default_rng(version))
+    extra = _alignment_with_fresh(backend, plan, batch, fresh, adv, proximal=proximal, reference=reference,
+                                  version=version, keywords=keywords) if diagnosed else {}
     saved = backend.snapshot() if len(parts) > 1 else None
     grad_norms = []
     step_tokens = int(mask.sum())
@@ -174,17 +166,42 @@ def run_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, *, version: i
             if saved is not None:  # earlier mini-batches of this step were applied: undo them
                 backend.restore(saved)
             raise
-    if diagnosed:  # how far the step moved the policy, on samples of the policy it started from
-        every = np.arange(len(fresh_lengths))
-        after = forward_logprobs(backend, fresh, fresh_lengths, every, plan.micro_batch_tokens)
-        before = fresh.behavior_logprobs[:, 1:]
-        valid = fresh_mask.bool() & torch.isfinite(before)
-        extra.update(diagnostics.finish(diagnostics.update_kl_sums(before, after, valid)))
+    if diagnosed:
+        extra.update(_update_kl(backend, plan, fresh))
     totals = diagnostics.finish(whole_step_ess(mean_mismatch(merge_ranks(backend.gather_metrics(totals)))))
     totals.update(extra, grad_norm=float(np.mean(grad_norms)), response_tokens=step_tokens,
                   trained_tokens=int(lengths.sum()), samples=len(lengths), optimizer_steps=len(parts),
                   lr=plan.lr(optimizer_steps + len(parts) - 1))  # the step's last optimizer step
     return totals
+
+
+def _padded_parts(batch: PaddedBatch, plan: StepPlan) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """Row lengths, the loss mask aligned to log-probs, and the token advantages of a batch."""
+    lengths = (batch.prompt_lengths + batch.response_lengths).cpu().numpy()
+    mask = batch.loss_mask[:, 1:]
+    return lengths, mask, broadcast_to_tokens(advantages(batch.rewards, plan.group_size, plan.advantage), mask)
+
+
+def _alignment_with_fresh(backend: Backend, plan: StepPlan, batch: PaddedBatch, fresh: PaddedBatch,
+                          adv: torch.Tensor, *, proximal: torch.Tensor | None, reference: torch.Tensor | None,
+                          version: int, keywords: dict[str, Any]) -> dict[str, float]:
+    """`diagnostics.gradient_alignment` of the step's batch and `fresh`, at the step's starting weights."""
+    lengths, mask, _ = _padded_parts(batch, plan)
+    fresh_lengths, fresh_mask, fresh_adv = _padded_parts(fresh, plan)
+    return diagnostics.gradient_alignment(
+        lambda rows: _gradient(backend, plan, batch, rows, lengths, mask, adv, proximal=proximal,
+                               reference=reference, version=version, keywords=keywords),
+        lambda rows: _gradient(backend, plan, fresh, rows, fresh_lengths, fresh_mask, fresh_adv, proximal=None,
+                               reference=None, version=version, keywords={}),
+        len(lengths) // plan.group_size, plan.group_size, np.random.default_rng(version))
+
+
+def _update_kl(backend: Backend, plan: StepPlan, fresh: PaddedBatch) -> dict[str, float]:
+    """KL(before → after the step) on `fresh`, sampled by the weights before it (its behaviour log-probs)."""
+    lengths, mask, _ = _padded_parts(fresh, plan)
+    after = forward_logprobs(backend, fresh, lengths, np.arange(len(lengths)), plan.micro_batch_tokens)
+    before = fresh.behavior_logprobs[:, 1:]
+    return diagnostics.finish(diagnostics.update_kl_sums(before, after, mask.bool() & torch.isfinite(before)))
 
 
 def data_diagnostics(batch: PaddedBatch, rows: np.ndarray, mask: torch.Tensor, proximal: torch.Tensor | None, *,
