@@ -19,8 +19,9 @@ larger than the trainer needs is pure cost (measured: `docs/benchmarks.md`, "whe
 So the controller looks for the smallest η that keeps the trainer fed: it raises η while the trainer
 waits and the data stays within bounds, lowers it as soon as a bound is crossed, and while the trainer
 is fed it tries one less every `probe_steps`. It only chooses; the queue enforces whatever η is in
-force (`ReplayQueue.set_max_staleness`): admission by the staleness formula, and a group over the new
-budget is regenerated, its prompt given back.
+force (`ReplayQueue.set_max_staleness`) at admission, by the staleness formula: a lowered η recalls
+nothing already admitted (each group keeps the budget it was admitted under, `ReplayQueue.budget_of`),
+so a probe costs no generated data.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Queue checkpoints: queued groups as one Arrow IPC file, the rest in a JSON manifest.
 
 ```
- DIR/manifest.json        version, admission holds, counters, prompt cursor, prompts to regenerate, groups,
+ DIR/manifest.json        version, admission holds, counters, prompt cursor, prompts to regenerate, groups
+                          (each with the staleness budget it was admitted under),
                           sha256 of each file
  DIR/queued.arrow         the queued groups' rows, in consumption order
  DIR/ticket_states.bin    one byte per ticket ever issued (so old tickets stay "expired" after restore)

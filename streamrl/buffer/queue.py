@@ -74,6 +74,7 @@ class Ticket(NamedTuple):
     producer_id: int
     admitted_version: int
     admitted_at: float
+    admitted_eta: int = 0  # the staleness budget in force when it was admitted
 
 
 class Admission(NamedTuple):
@@ -93,6 +94,7 @@ class QueuedGroup(NamedTuple):
     row_count: int
     payload: Any  # the RecordBatch in process; an object reference in the Ray actor
     committed_at: float
+    admitted_eta: int = -1  # η in force at its admission (−1: unknown, a checkpoint older than the field)
 
     def sort_key(self) -> tuple[int, int]:
         """Oldest version first, ties in admission order (ticket ids are issued in admission order)."""
@@ -232,7 +234,7 @@ class ReplayQueue:
                 prompt_id = self._returned.popleft()
             else:
                 prompt_id, self._next_prompt = self._next_prompt, self._next_prompt + 1
-            ticket = Ticket(len(self._states), prompt_id, producer_id, version, now)
+            ticket = Ticket(len(self._states), prompt_id, producer_id, version, now, self._eta)
             self._states.append(RUNNING)
             self._running[ticket.ticket_id] = ticket
             tickets.append(ticket)
@@ -306,10 +308,11 @@ class ReplayQueue:
                                  f"its ticket was given to {ticket.producer_id}")
 
     def _enqueue(self, span: GroupSpan, payload: Any, now: float) -> None:
-        del self._running[span.group_id]
+        ticket = self._running.pop(span.group_id)
         self._states[span.group_id] = QUEUED
         self._add_queued(QueuedGroup(span.group_id, span.prompt_id, span.producer_id, span.min_version,
-                                     span.num_tokens, span.row_start, span.row_count, payload, now))
+                                     span.num_tokens, span.row_start, span.row_count, payload, now,
+                                     ticket.admitted_eta))
 
     def _add_queued(self, group: QueuedGroup) -> None:
         self._queued[group.group_id] = group
@@ -371,13 +374,14 @@ class ReplayQueue:
                     groups = [self._pop_oldest() for _ in range(wanted)]
                     self._in_training.extend(groups)
                     ages = [staleness(self._version, g.min_version) for g in groups]
+                    budgets = [self.budget_of(g) for g in groups]
                     self.counters["consumed"] += wanted
                     # Only reachable with over_budget="train": the others were regenerated above.
-                    over = sum(age > self._eta for age in ages)
+                    over = sum(age > budget for age, budget in zip(ages, budgets))
                     self.counters["over_budget"] += over
                     self._in_training_over += over
                     self._cond.notify_all()
-                    return TrainGroups(self._version, groups, ages, self._eta)
+                    return TrainGroups(self._version, groups, ages, max(budgets))
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
@@ -390,19 +394,32 @@ class ReplayQueue:
         self._states[group_id] = CONSUMED
         return group
 
+    def budget_of(self, group: QueuedGroup) -> int:
+        """The staleness a group may reach: the η in force when it was admitted, or the η in force now if
+        larger. Lowering η is an admission-side change: groups admitted before keep their budget (nothing
+        generated under the old rule is thrown away); raising it relaxes every group's."""
+        return max(group.admitted_eta, self._eta)
+
     def _handle_over_budget(self) -> None:
         if self.config.over_budget == "train":
             return  # counted when handed out, in get()
         limit = self._version - self._eta
-        while self._heap and self._heap[0][0] < limit:
+        within = []  # older than η allows, but admitted under a larger η that they still keep to
+        while self._heap and self._heap[0][0] < limit:  # only groups older than η can be over budget
             _, group_id = heapq.heappop(self._heap)
-            group = self._queued.pop(group_id)
+            group = self._queued[group_id]
+            if staleness(self._version, group.min_version) <= self.budget_of(group):
+                within.append(group.sort_key())
+                continue
+            del self._queued[group_id]
             self._queued_tokens -= group.num_tokens
             self._states[group_id] = REGENERATED
             self._returned.append(group.prompt_id)
             self.counters["over_budget"] += 1
             self.counters["regenerated_tokens"] += group.num_tokens
             self._cond.notify_all()
+        for key in within:
+            heapq.heappush(self._heap, key)
 
     def set_version(self, version: int) -> None:
         """The trainer finished optimizer step `version` (versions only grow)."""
@@ -418,8 +435,8 @@ class ReplayQueue:
 
     def set_max_staleness(self, eta: int) -> None:
         """Put η in force (`queue.max_staleness = "auto"`: within [auto_min, auto_max]). Admission follows
-        the new η at once; a queued group it leaves over budget is handled as any other (regenerated,
-        its prompt given back, or trained and counted); a running one when it is queued."""
+        the new η at once; groups admitted before keep the budget they were admitted under (`budget_of`),
+        so a lowered η throws nothing away: it takes effect as the groups admitted under it arrive."""
         cfg = self.config
         if not cfg.auto:
             raise ValueError(f"queue.max_staleness is fixed at {cfg.max_staleness}; "

@@ -94,20 +94,29 @@ def test_the_queue_refuses_an_eta_outside_the_range_or_for_a_fixed_budget_and_ch
         ReplayQueue(QueueConfig(group_size=2, groups_per_step=2, max_staleness=1)).set_max_staleness(1)
 
 
-def test_a_lowered_eta_regenerates_the_groups_it_leaves_over_budget_and_loses_no_prompt():
+def test_a_lowered_eta_recalls_nothing_and_holds_the_groups_admitted_after_it_to_the_new_budget():
+    """Lowering η is an admission-side change: what was admitted under the old η keeps that budget (its
+    generation is not thrown away); admission follows the new η at once, and so does what it admits."""
     queue = ReplayQueue(AUTO)
     queue.set_max_staleness(3)
     rng = np.random.default_rng(0)
-    old = queue.admit(0, 2, weights_version=0).tickets  # long generations, started at version 0
+    old = queue.admit(0, 2, weights_version=0).tickets  # long generations, started at version 0 under η = 3
     for version in (1, 2, 3):  # the trainer moves on without them (others feed it)
         fresh = queue.admit(1, 2, weights_version=version - 1).tickets
         queue.commit(synthetic_batch(fresh, 2, version=version - 1, rng=rng))
         assert queue.get(2, timeout=0) is not None
         queue.set_version(version)
-    queue.commit(synthetic_batch(old, 2, rng=rng))  # they end, 3 versions old
-    assert queue.status()["queued_staleness"] == {3: 2}  # within η = 3
     queue.set_max_staleness(1)
+    assert queue.admit(1, 2, weights_version=1).blocked_by == "stale_weights"  # 2 versions behind: refused now
+    late = queue.admit(1, 2, weights_version=3).tickets  # admitted under η = 1
+    assert [t.admitted_eta for t in old] == [3, 3] and [t.admitted_eta for t in late] == [1, 1]
+    queue.commit(synthetic_batch(old, 2, rng=rng))  # they end, 3 versions old: within the η they were admitted under
     status = queue.status()
-    assert status["max_staleness"] == 1 and status["queued_groups"] == 0 and status["over_budget"] == 2
-    assert sorted(queue.returned_prompts()) == sorted(t.prompt_id for t in old)  # given back, generated again
-    assert [t.prompt_id for t in queue.admit(0, 2, weights_version=3).tickets] == [t.prompt_id for t in old]
+    assert status["queued_staleness"] == {3: 2} and status["over_budget"] == 0 and queue.returned_prompts() == []
+    got = queue.get(2, timeout=0)
+    assert [g.group_id for g in got.groups] == [t.ticket_id for t in old] and got.max_staleness == 3
+    queue.set_version(4)
+    queue.commit(synthetic_batch(late, 2, version=2, rng=rng))  # sampled by version 2: 2 old, over η = 1
+    status = queue.status()
+    assert status["over_budget"] == 2 and status["queued_groups"] == 0  # held to the new budget: regenerated
+    assert sorted(queue.returned_prompts()) == sorted(t.prompt_id for t in late)

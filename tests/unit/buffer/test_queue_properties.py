@@ -51,6 +51,7 @@ class QueueSchedule(RuleBasedStateMachine):
                                max_in_flight=groups_per_step + extra_in_flight, capacity_tokens=capacity_tokens,
                                over_budget=over_budget, vocab_size=32, admission=admission)
         self.eta = self.eta_ever = max_staleness  # in force, and the largest ever in force
+        self.admitted_eta = {}  # ticket id -> η in force when it was admitted
         self.queue = ReplayQueue(self.cfg)
         self.rng = np.random.default_rng(seed)
         self.held = {p: {} for p in range(PRODUCERS)}  # producer -> ticket id -> ticket
@@ -79,6 +80,8 @@ class QueueSchedule(RuleBasedStateMachine):
             assert self.queue.status()["admitted_live"] <= (base + self.eta + 1) * self.cfg.groups_per_step
         for ticket in adm.tickets:
             self.held[producer][ticket.ticket_id] = ticket
+            self.admitted_eta[ticket.ticket_id] = self.eta
+            assert ticket.admitted_eta == self.eta
 
     @rule(producer=st.integers(0, PRODUCERS - 1), k=st.integers(1, 3), data=st.data())
     def commit(self, producer, k, data):
@@ -155,6 +158,11 @@ class QueueSchedule(RuleBasedStateMachine):
         self.commit(0, 1, _Fixed(self.weights[0]))
         self.train_step()
 
+    def budget(self, group_id):
+        """A group may reach the η in force at its admission, or the η in force now if larger (lowering η
+        is an admission-side change: it recalls nothing)."""
+        return max(self.admitted_eta[group_id], self.eta)
+
     # ---- trainer and operator ------------------------------------------------------------------
     @precondition(lambda self: not self.in_training)
     @rule()
@@ -166,12 +174,14 @@ class QueueSchedule(RuleBasedStateMachine):
         assert got.version == self.queue.version and len(got.groups) == self.cfg.groups_per_step
         # oldest version first, equal versions in admission (ticket) order, whatever the commit order
         eligible = sorted(k for k in queued if self.cfg.over_budget == "train"
-                          or self.queue.version - k[0] <= self.eta)
+                          or self.queue.version - k[0] <= self.budget(k[1]))
         assert [(g.min_version, g.group_id) for g in got.groups] == eligible[:len(got.groups)]
+        assert got.max_staleness == max(self.budget(g.group_id) for g in got.groups)  # the bound they are held to
         for group, age in zip(got.groups, got.staleness):
+            over = age > self.budget(group.group_id)
             self.consumed_prompts.append(group.prompt_id)
-            self.consumed_over_budget += age > self.eta
-            self.in_training.append((group, age > self.eta))
+            self.consumed_over_budget += over
+            self.in_training.append((group, over))
         assert assemble(got.groups).num_rows == self.cfg.groups_per_step * self.cfg.group_size
 
     @precondition(lambda self: self.in_training)
@@ -232,6 +242,7 @@ class QueueSchedule(RuleBasedStateMachine):
         restored = self.queue.queued_groups()
         requeued = sorted([*queued, *(g for g, _ in self.in_training)], key=lambda g: (g.min_version, g.group_id))
         assert [g.group_id for g in restored] == [g.group_id for g in requeued]
+        assert [g.admitted_eta for g in restored] == [g.admitted_eta for g in requeued]  # budgets survive
         if requeued:
             assert assemble(restored).equals(assemble(requeued))
         for group, over in self.in_training:
@@ -281,7 +292,9 @@ class QueueSchedule(RuleBasedStateMachine):
             assert self.consumed_over_budget == s["over_budget"]
         else:
             assert self.consumed_over_budget == 0
-        assert all(age <= self.eta for age in s["queued_staleness"]) or self.cfg.over_budget == "train"
+        if self.cfg.over_budget == "regenerate":  # every queued group within the budget it is held to
+            for group in self.queue.queued_groups():
+                assert self.queue.version - group.min_version <= self.budget(group.group_id)
 
 
 QueueSchedule.TestCase.settings = settings(
