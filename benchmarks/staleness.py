@@ -1,7 +1,9 @@
 """Learning under staleness: does off-policy correction keep asynchronous training as good as on-policy?
 
     streamrl bench staleness --quick --out benchmarks/results/staleness_quick.json   (≤ 10 min)
-    streamrl bench staleness --out benchmarks/results/staleness.json                 (the full sweep, ≤ 60 min)
+    streamrl bench staleness --out benchmarks/results/staleness.json                 (the full sweep, ~60 min)
+    streamrl bench staleness --config launch/long-tail.toml --etas 0 4 8 auto ...     (the long-tailed task)
+    ... --diagnose 5                                      (where the reward goes: streamrl/trainer/diagnostics.py)
 
 Each run is a real `streamrl launch` of the built-in task (the torch engine and trainer) for a fixed
 number of steps, with staleness budget η and correction `loss.name`; the same seeds for every pair.
@@ -10,8 +12,11 @@ queue fills up to the budget (the measured staleness is reported next to η).
 
 Reported per (η, correction), over seeds with their spread: the final training reward (mean of the
 last 10% of steps), the mean reward over all steps (the area under the curve), held-out accuracy, the
-measured staleness, effective sample size and the clipped, truncated and masked fractions; reward
-against step and against wall-clock in a PNG.
+measured staleness, effective sample size and the clipped, truncated and masked fractions, the wall-clock
+time to a target reward (80% of the η = 0 runs' final reward), the data figures of the diagnosis
+(silent groups, baseline shift, groups regenerated and their length against the trained ones; with
+--diagnose the gradient alignment of stale and fresh data and KL of each update); reward against step
+and against wall-clock in a PNG. The JSON's `headline` holds the issue's three ratios and their targets.
 """
 
 from __future__ import annotations
@@ -140,6 +145,8 @@ def run_one(root: str, eta: int | str, correction: str, seed: int, steps: int, m
         **{f"{k}_mean": mean_where_reported(metrics, k) for k in DIAGNOSTICS},
         "kl_by_lag": kl_by_lag(metrics), **data_losses(summary, metrics),
         "step_s": metrics[-1]["elapsed_s"] / len(metrics),
+        # the share of the trainer's time spent waiting for data: what generation did not hide
+        "wait_fraction": float(np.sum([m["trainer_wait_s"] for m in metrics]) / max(metrics[-1]["elapsed_s"], 1e-9)),
         "curve": {"step": [m["step"] for m in metrics], "reward": rewards,
                   "elapsed_s": [m["elapsed_s"] for m in metrics], "eta": [m["max_staleness"] for m in metrics]},
     }
@@ -185,6 +192,7 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 "regenerated_length_over_trained": _mean_of([r.get("regenerated_length_over_trained") for r in seeds]),
                 "aborted_groups": _mean_of([r.get("aborted_groups") for r in seeds]),
                 "step_s_mean": _mean_of([r.get("step_s") for r in seeds]),
+                "wait_fraction_mean": _mean_of([r.get("wait_fraction") for r in seeds]),
                 "runs": seeds,
             }
             by_correction[correction]["grad_alignment"] = alignment(by_correction[correction])
@@ -317,7 +325,7 @@ DIAGNOSIS_COLUMNS = [("kl_behavior_proximal_mean", ".4f"), ("update_kl_mean", ".
                      ("grad_cos_stale_fresh_mean", ".3f"), ("grad_alignment", ".2f"),
                      ("zero_signal_fraction_mean", ".1%"), ("baseline_shift_mean", ".4f"),
                      ("regenerated_fraction", ".1%"), ("regenerated_length_over_trained", ".2f"),
-                     ("step_s_mean", ".3f")]
+                     ("step_s_mean", ".3f"), ("wait_fraction_mean", ".0%")]
 
 
 def print_diagnosis(results: dict[str, dict[str, Any]], console: Console) -> None:
@@ -327,7 +335,8 @@ def print_diagnosis(results: dict[str, dict[str, Any]], console: Console) -> Non
 
     table = Table(title="where the reward goes (means over steps and seeds; grad cos and update KL on diagnosed steps)")
     for column in ("η", "correction", "KL(b→p)", "KL by lag", "update KL", "cos stale", "cos fresh", "cos stale/fresh",
-                   "alignment", "silent groups", "baseline shift", "regenerated", "regen len ÷ trained", "step s"):
+                   "alignment", "silent groups", "baseline shift", "regenerated", "regen len ÷ trained", "step s",
+                   "wait"):
         table.add_column(column, justify="right")
     for eta in sorted(results, key=eta_order):
         for correction, c in sorted(results[eta].items()):
