@@ -146,7 +146,7 @@ def run_one(root: str, eta: int | str, correction: str, seed: int, steps: int, m
         "kl_by_lag": kl_by_lag(metrics), **data_losses(summary, metrics),
         "step_s": metrics[-1]["elapsed_s"] / len(metrics),
         # the share of the trainer's time spent waiting for data: what generation did not hide
-        "wait_fraction": float(np.sum([m["trainer_wait_s"] for m in metrics]) / max(metrics[-1]["elapsed_s"], 1e-9)),
+        "wait_fraction": summary["trainer_wait_s_total"] / metrics[-1]["elapsed_s"],
         "curve": {"step": [m["step"] for m in metrics], "reward": rewards,
                   "elapsed_s": [m["elapsed_s"] for m in metrics], "eta": [m["max_staleness"] for m in metrics]},
     }
