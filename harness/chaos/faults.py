@@ -42,10 +42,20 @@ def tiny_settings(root: str | Path, name: str, *extra: str) -> list[str]:
     return [*TINY, f"run.output_dir={json.dumps(str(root))}", f"run.name={name}", *extra]
 
 
+# Start the command with Ctrl-C and Ctrl-\ at their defaults, as a terminal's foreground job has them. A
+# process started in the background of a script inherits both ignored (bash does that to `cmd &` when job
+# control is off), Python then never raises KeyboardInterrupt, and a run sent SIGINT would go on training.
+_AS_FROM_A_TERMINAL = ("import os, signal, sys; "
+                       "signal.signal(signal.SIGINT, signal.SIG_DFL); signal.signal(signal.SIGQUIT, signal.SIG_DFL); "
+                       "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
 def launch_process(sets: list[str], *, address: str | None = None, resume: Path | None = None,
                    env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`streamrl launch` as a user starts it, in a session of its own (so its whole group can be signalled)."""
-    command = [sys.executable, "-m", "streamrl.cli", "launch", *(["--address", address] if address else []),
+    """`streamrl launch` as a user starts it from a terminal, in a session of its own (so its whole group
+    can be signalled); its pid is the driver's."""
+    command = [sys.executable, "-c", _AS_FROM_A_TERMINAL, "-m", "streamrl.cli", "launch",
+               *(["--address", address] if address else []),
                *(["--resume", str(resume)] if resume else []), *[a for s in sets for a in ("--set", s)]]
     return subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, **(env or {})})

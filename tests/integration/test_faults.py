@@ -11,10 +11,9 @@ import time
 import pytest
 import ray
 from checkout import FAKE_SGLANG
-from launching import resume_tiny, run_tiny, tiny
+from launching import launch_subprocess, resume_tiny, run_tiny, tiny
 
 from harness.chaos.audit import audit_run
-from harness.chaos.faults import launch_process
 from streamrl import failpoints
 from streamrl.buffer.checkpoint import load_queue
 from streamrl.runtime.launch import RunFailed
@@ -149,9 +148,10 @@ def test_a_killed_queue_stops_the_run_quickly_with_a_resumable_checkpoint(ray_lo
     assert_nothing_lost_or_repeated(run_dir, 6)
 
 
-def launch_subprocess(tmp_path, name, *extra, env=None):
+def launch_joining(tmp_path, name, *extra, env=None):
+    """A launcher that joins the tests' Ray instance."""
     items = tiny(tmp_path, name, "run.steps=100000", "run.checkpoint_every=2", "producers.count=2", *extra)
-    return launch_process(items, address=ray.get_runtime_context().gcs_address, env=env)
+    return launch_subprocess(items, address=ray.get_runtime_context().gcs_address, env=env)
 
 
 def wait_for_fail_point(proc, directory, name, timeout=90):
@@ -191,7 +191,7 @@ def test_a_signal_in_any_phase_stops_cleanly_with_a_consistent_checkpoint(ray_lo
     directory = tmp_path / "failpoints"
     directory.mkdir()
     name = "signalled"
-    proc = launch_subprocess(tmp_path, name, env={failpoints.ENV_SPEC: point, failpoints.ENV_DIR: str(directory)})
+    proc = launch_joining(tmp_path, name, env={failpoints.ENV_SPEC: point, failpoints.ENV_DIR: str(directory)})
     wait_for_fail_point(proc, directory, point.partition("=")[0])
     if signum == signal.SIGINT:
         os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground group
@@ -211,7 +211,7 @@ def test_a_signal_in_any_phase_stops_cleanly_with_a_consistent_checkpoint(ray_lo
 def test_a_signal_during_start_up_leaves_nothing(ray_local, tmp_path, signum):
     directory = tmp_path / "failpoints"
     directory.mkdir()
-    proc = launch_subprocess(tmp_path, "early", env={failpoints.ENV_SPEC: "launch.start=sleep:4",
+    proc = launch_joining(tmp_path, "early", env={failpoints.ENV_SPEC: "launch.start=sleep:4",
                                                       failpoints.ENV_DIR: str(directory)})
     wait_for_fail_point(proc, directory, "launch.start")
     if signum == signal.SIGINT:
@@ -227,7 +227,7 @@ def test_a_signal_during_start_up_leaves_nothing(ray_local, tmp_path, signum):
 def test_a_driver_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(ray_local, tmp_path):
     directory = tmp_path / "failpoints"
     directory.mkdir()
-    proc = launch_subprocess(tmp_path, "torn", env={failpoints.ENV_SPEC: "checkpoint.write=kill@2",
+    proc = launch_joining(tmp_path, "torn", env={failpoints.ENV_SPEC: "checkpoint.write=kill@2",
                                                      failpoints.ENV_DIR: str(directory)})
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, output[-3000:]
@@ -243,7 +243,7 @@ def test_a_driver_killed_while_writing_a_checkpoint_resumes_from_the_previous_on
 def test_ctrl_c_on_a_run_that_started_its_own_ray_stops_it_and_leaves_no_process(tmp_path):
     """The default path: no --address, so the launcher's Ray (GCS, raylet, workers) is in the terminal's
     process group and gets the Ctrl-C too; the run still stops with a checkpoint and Ray goes with it."""
-    proc = launch_process(tiny(tmp_path, "own-ray", "run.steps=100000", "run.checkpoint_every=2"))
+    proc = launch_subprocess(tiny(tmp_path, "own-ray", "run.steps=100000", "run.checkpoint_every=2"))
     metrics = tmp_path / "own-ray" / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):

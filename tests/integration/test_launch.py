@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -12,7 +11,7 @@ import time
 import pytest
 import ray
 from checkout import FAKE_SGLANG
-from launching import resume_tiny, run_tiny, tiny
+from launching import launch_subprocess, resume_tiny, run_tiny, tiny
 
 from streamrl.buffer import load_queue
 from streamrl.cli import main
@@ -280,10 +279,8 @@ def test_an_operator_pause_while_the_run_shuts_down_is_kept_in_the_checkpoint(ra
 
 
 def test_ctrl_c_stops_cleanly_with_a_checkpoint(ray_local, tmp_path):
-    address = ray.get_runtime_context().gcs_address
-    command = [sys.executable, "-m", "streamrl.cli", "launch", "--address", address,
-               *[arg for item in tiny(tmp_path, "interrupted", "run.steps=100000") for arg in ("--set", item)]]
-    proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = launch_subprocess(tiny(tmp_path, "interrupted", "run.steps=100000"),
+                             address=ray.get_runtime_context().gcs_address)
     metrics = tmp_path / "interrupted" / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
