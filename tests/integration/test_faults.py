@@ -212,7 +212,7 @@ def test_a_signal_during_start_up_leaves_nothing(ray_local, tmp_path, signum):
     directory = tmp_path / "failpoints"
     directory.mkdir()
     proc = launch_joining(tmp_path, "early", env={failpoints.ENV_SPEC: "launch.start=sleep:4",
-                                                      failpoints.ENV_DIR: str(directory)})
+                                                  failpoints.ENV_DIR: str(directory)})
     wait_for_fail_point(proc, directory, "launch.start")
     if signum == signal.SIGINT:
         os.killpg(proc.pid, signal.SIGINT)
@@ -228,7 +228,7 @@ def test_a_driver_killed_while_writing_a_checkpoint_resumes_from_the_previous_on
     directory = tmp_path / "failpoints"
     directory.mkdir()
     proc = launch_joining(tmp_path, "torn", env={failpoints.ENV_SPEC: "checkpoint.write=kill@2",
-                                                     failpoints.ENV_DIR: str(directory)})
+                                                 failpoints.ENV_DIR: str(directory)})
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, output[-3000:]
     run_dir = RunDir.open(tmp_path / "torn")
