@@ -626,7 +626,17 @@ def _check_restored(queue: ReplayQueue, groups: list[QueuedGroup]) -> None:
 
 
 def assemble(groups: list[QueuedGroup], batches: list[pa.RecordBatch] | None = None) -> pa.Table:
-    """The rows of `groups` as one table (zero-copy slices). `batches[i]` is the fetched payload of
-    `groups[i]` when payloads are references; by default the payloads are the batches."""
+    """The rows of `groups`, in order, as one table of zero-copy slices. `batches[i]` is the fetched
+    payload of `groups[i]` when payloads are references; by default the payloads are the batches.
+
+    Groups that follow each other in the same batch become one slice: a step's groups mostly come a
+    batch at a time, and a table of one chunk per group (512 in a large step) costs every later pass
+    over it (`Table.nbytes` of 512 slices: 15 ms, against 0.3 ms for one)."""
     batches = [g.payload for g in groups] if batches is None else batches
-    return pa.Table.from_batches([b.slice(g.row_start, g.row_count) for g, b in zip(groups, batches)])
+    runs: list[list] = []  # [batch, first row, row count]
+    for group, batch in zip(groups, batches):
+        if runs and runs[-1][0] is batch and runs[-1][1] + runs[-1][2] == group.row_start:
+            runs[-1][2] += group.row_count
+        else:
+            runs.append([batch, group.row_start, group.row_count])
+    return pa.Table.from_batches([batch.slice(start, count) for batch, start, count in runs])

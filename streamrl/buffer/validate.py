@@ -101,12 +101,18 @@ def _check_no_nulls(batch: pa.RecordBatch) -> None:
             raise BatchError(name, _row_of_flat_index(list_offsets(column), _first_row_where(where)), "null element")
 
 
+def _below(values: np.ndarray, limit: int) -> bool:
+    """Whether every int32 value lies in [0, limit), in one pass: read as unsigned, a negative value is
+    2**31 or more, above any limit an int32 can name."""
+    return int(values.view(np.uint32).max()) < limit
+
+
 def _check_token_range(name: str, column: pa.ListArray, vocab_size: int | None) -> None:
     values = list_values(column)
     if not len(values):
         return
     # Reductions first: they allocate nothing; the row is looked for only when something is wrong.
-    if values.min() >= 0 and (vocab_size is None or values.max() < vocab_size):
+    if vocab_size is None and values.min() >= 0 or vocab_size is not None and _below(values, vocab_size):
         return
     bad = (values < 0) | (values >= vocab_size if vocab_size is not None else False)
     flat = _first_row_where(bad)
@@ -158,7 +164,7 @@ def validate_batch(
                          f"log-probability {logprobs[flat]} is not finite and <= 0")
 
     versions = list_values(batch.column("versions"))
-    if versions.min() < 0 or versions.max() > trainer_version:
+    if not _below(versions, trainer_version + 1):
         flat = _first_row_where((versions < 0) | (versions > trainer_version))
         raise BatchError("versions", _row_of_flat_index(response_offsets, flat),
                          f"version {int(versions[flat])} outside [0, trainer version {trainer_version}]")

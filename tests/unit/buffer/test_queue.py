@@ -379,3 +379,30 @@ def test_continuous_admission_has_no_barrier(rng):
     tickets = queue.admit(0, 4).tickets
     queue.commit(synthetic_batch(tickets[:3], 2, rng=rng))
     assert len(queue.admit(0, 10).tickets) == 4  # a straggler does not hold anyone back
+
+
+def test_assemble_keeps_group_order_and_joins_neighbouring_rows_into_one_slice(rng):
+    """The table holds every group's rows in the order given, as the groups' own slices would; groups
+    that follow each other in one batch share a slice, any other boundary starts a new one."""
+    import pyarrow as pa
+
+    from streamrl.buffer import assemble
+
+    queue = ReplayQueue(QueueConfig(group_size=2, groups_per_step=8, max_staleness=10, max_in_flight=100))
+    tickets = queue.admit(0, 8).tickets
+    queue.commit(synthetic_batch(tickets[:5], 2, rng=rng))
+    queue.commit(synthetic_batch(tickets[5:], 2, rng=rng))
+    groups = {g.group_id: g for g in queue.queued_groups()}
+    ids = [t.ticket_id for t in tickets]
+    for order, slices in (
+        (ids, 2),  # two batches, each in row order
+        ([ids[0], ids[1], ids[3], ids[4], ids[5]], 3),  # a gap in the first batch
+        ([ids[2], ids[1], ids[6], ids[7]], 3),  # rows out of order, then the second batch
+        ([ids[4], ids[5]], 2),
+    ):
+        chosen = [groups[i] for i in order]
+        table = assemble(chosen)
+        one_slice_each = pa.Table.from_batches([g.payload.slice(g.row_start, g.row_count) for g in chosen])
+        assert table.equals(one_slice_each)
+        assert table.column("group_id").to_pylist() == [i for i in order for _ in range(2)]
+        assert table.column("response_ids").num_chunks == slices
