@@ -423,6 +423,8 @@ class ReplayQueue:
 
     def set_version(self, version: int) -> None:
         """The trainer finished optimizer step `version` (versions only grow)."""
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"version {version!r} is a {type(version).__name__}, not an int")
         with self._lock:
             if version < self._version:
                 raise ValueError(f"version {version} is older than the current version {self._version}")

@@ -70,6 +70,9 @@ def _check_schema(batch: pa.RecordBatch) -> None:
             raise BatchError(field.name, None, "unexpected column")
         if not field.type.equals(expected[field.name].type):
             raise BatchError(field.name, None, f"type {field.type}, expected {expected[field.name].type}")
+        if field.nullable:  # accepted, it would split the queue's batches into two schemas no table can join
+            raise BatchError(field.name, None, "nullable field, expected not null (build batches with "
+                             "TRAJECTORY_SCHEMA)")
     for name in expected:
         if batch.schema.get_field_index(name) < 0:
             raise BatchError(name, None, "missing column")
@@ -103,8 +106,8 @@ def _check_no_nulls(batch: pa.RecordBatch) -> None:
 
 def _below(values: np.ndarray, limit: int) -> bool:
     """Whether every int32 value lies in [0, limit), in one pass: read as unsigned, a negative value is
-    2**31 or more, above any limit an int32 can name."""
-    return int(values.view(np.uint32).max()) < limit
+    2**31 or more, and every value in [0, limit) is below min(limit, 2**31)."""
+    return int(values.view(np.uint32).max()) < min(limit, 2**31)
 
 
 def _check_token_range(name: str, column: pa.ListArray, vocab_size: int | None) -> None:

@@ -65,6 +65,9 @@ BAD_BATCHES = {
                                 "prompt_id", "ticket prompt"),
     "wrong producer for ticket": (lambda b: replace(b, "producer_id", [5] * b.num_rows), "producer_id", "producer 5"),
     "empty batch": (lambda b: b.slice(0, 0), None, "empty batch"),
+    # Accepted, it split the queue into two schemas: the trainer's table and every checkpoint failed.
+    "nullable fields": (lambda b: pa.RecordBatch.from_arrays(b.columns, names=b.schema.names)
+                        .replace_schema_metadata(b.schema.metadata), "group_id", "nullable field"),
 }
 
 
@@ -123,3 +126,15 @@ def test_schema_constant_is_what_validation_expects(queue, rng):
     batch = synthetic_batch(tickets, 4, rng=rng)
     assert batch.schema == TRAJECTORY_SCHEMA
     assert queue.commit(pa.Table.from_batches([batch.slice(0, 2), batch.slice(2, 2)])) == [0]
+
+
+@pytest.mark.parametrize("vocab_size", [2**31 + 1, 2**32])
+def test_negative_token_ids_are_refused_whatever_the_vocabulary_size(rng, vocab_size):
+    from streamrl.buffer import QueueConfig, ReplayQueue
+
+    queue = ReplayQueue(QueueConfig(group_size=4, groups_per_step=1, max_staleness=1, max_in_flight=8,
+                                    vocab_size=vocab_size))
+    bad = edit_list(synthetic_batch(queue.admit(0, 1).tickets, 4, rng=rng), "response_ids", 1,
+                    lambda v: [-(2**31)] + v[1:])
+    with pytest.raises(BatchError, match=r"row 1: token id -2147483648 outside"):
+        queue.commit(bad)

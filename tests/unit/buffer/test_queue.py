@@ -2,6 +2,7 @@ import itertools
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from harness.synthetic import synthetic_batch
@@ -339,6 +340,17 @@ def test_version_never_goes_back(queue):
     queue.set_version(3)
     with pytest.raises(ValueError, match="version 2 is older than the current version 3"):
         queue.set_version(2)
+
+
+@pytest.mark.parametrize("version", [4.5, np.int64(4), True])
+def test_a_version_that_is_not_an_int_is_refused_and_changes_nothing(queue, version):
+    """Accepted, 4.5 made the admission budget a float (the next `admit` raised TypeError) and an
+    np.int64 made the queue's snapshot unwritable as JSON."""
+    queue.set_version(3)
+    before = queue.status()
+    with pytest.raises(TypeError, match="not an int"):
+        queue.set_version(version)
+    assert queue.status() == before and queue.admit(0, 1).tickets
 
 
 def test_bad_arguments_are_refused(queue):
