@@ -143,7 +143,9 @@ def _upgraded(manifest: dict[str, Any]) -> dict[str, Any]:
 def load_queue(directory: str | Path, config: QueueConfig | None = None,
                wrap: Callable[[pa.RecordBatch], Any] | None = None) -> ReplayQueue:
     """Restore a queue saved by `save_queue`. `config` may change admission settings but not the
-    group size; `wrap` turns the restored batch into the payload kept per group (Ray: ray.put)."""
+    group size, and under `max_staleness = "auto"` its [auto_min, auto_max] must hold the saved η (the
+    staleness controller's own restore refuses one outside it too); `wrap` turns the restored batch into
+    the payload kept per group (Ray: ray.put)."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     try:
