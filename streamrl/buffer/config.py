@@ -108,3 +108,9 @@ class QueueConfig(BaseModel):
     def eta_bound(self) -> int:
         """The largest η that can ever be in force."""
         return self.auto_max if self.max_staleness == "auto" else self.max_staleness
+
+    @property
+    def untrainable_after(self) -> int | None:
+        """The age past which a running group can never be trained, so its producer may stop it: η's bound
+        when over-budget groups are regenerated, None when they are trained anyway."""
+        return self.eta_bound if self.over_budget == "regenerate" else None

@@ -146,8 +146,12 @@ class RolloutProducer:
         weights = self.engine.weights
         weights.start()
         try:
-            if weights.version is None and not weights.wait_newer(None, first_weights_timeout):
-                raise TimeoutError(f"no weights were published within {first_weights_timeout:g} s")
+            deadline = time.monotonic() + first_weights_timeout
+            while weights.version is None and not weights.wait_newer(None, 0.1):
+                if stop.is_set():
+                    return  # stopped before there was anything to generate with
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no weights were published within {first_weights_timeout:g} s")
             self._generate(stop)
         finally:
             weights.stop()
@@ -208,9 +212,10 @@ class RolloutProducer:
         version = self.engine.weights.version
         with self._cond:  # from `_admitted` into the engine in one move: the admit thread counts both
             while self._admitted:
-                ticket = self._admitted.popleft()
-                prompt = self.task.prompt(ticket.prompt_id)
+                ticket = self._admitted[0]
+                prompt = self.task.prompt(ticket.prompt_id)  # if it raises, the ticket is still held: given back
                 self._groups[ticket.ticket_id] = _Group(ticket, prompt, time.time(), version)
+                self._admitted.popleft()
                 self.engine.add(ticket.ticket_id, prompt, self.group_size)
 
     def _decode(self) -> None:
@@ -287,25 +292,22 @@ class RolloutProducer:
             self._fail(exc)
 
     def _commit_loop(self) -> None:
-        try:
-            while (item := self._commits.get()) is not None:
-                ticket_ids, batch = item
-                if self._error is None and batch is not None:
-                    try:
-                        committed = commit_or_give_back(self.queue, batch, ticket_ids)
-                    except BaseException as exc:
-                        self._fail(exc)  # given back
-                        continue
-                    if committed:
-                        self.stats.groups += len(ticket_ids)
-                    else:
-                        self.stats.expired_groups += len(ticket_ids)
-                    if committed:
-                        failpoints.hit("producer.after_commit")  # committed: its tickets are the queue's now
-                    continue
-                self.queue.abandon(ticket_ids)  # not committed: the prompts go back
-        except BaseException as exc:
-            self._fail(exc)
+        # Drains until shutdown whatever fails: an item left in `_commits` would hold its tickets for good.
+        while (item := self._commits.get()) is not None:
+            try:
+                self._commit_or_abandon(*item)
+            except BaseException as exc:
+                self._fail(exc)
+
+    def _commit_or_abandon(self, ticket_ids: list[int], batch: pa.RecordBatch | None) -> None:
+        if self._error is not None or batch is None:
+            self.queue.abandon(ticket_ids)  # not committed: the prompts go back
+            return
+        if commit_or_give_back(self.queue, batch, ticket_ids):  # refused or failed: given back
+            self.stats.groups += len(ticket_ids)
+            failpoints.hit("producer.after_commit")  # committed: its tickets are the queue's now
+        else:
+            self.stats.expired_groups += len(ticket_ids)
 
     def _fail(self, exc: BaseException) -> None:
         with self._cond:

@@ -69,7 +69,7 @@ class ProducerActor:
                                    weights=self.weights, search_path=search_path, work_dir=work_dir)
         self.producer = RolloutProducer(producer_id, queue=RemoteQueue(get_queue_actor(run_name), producer_id),
                                         engine=engine, task=task, group_size=cfg.queue.group_size,
-                                        max_staleness=cfg.queue.eta_bound)
+                                        max_staleness=cfg.queue.untrainable_after)
         self._stop = threading.Event()
         log.info("producer %s started (pid %s): %s engine, capacity %s sequences, seed %s", producer_id, os.getpid(),
                  cfg.producers.engine, engine.capacity, seed)

@@ -418,3 +418,13 @@ def test_assemble_keeps_group_order_and_joins_neighbouring_rows_into_one_slice(r
         assert table.equals(one_slice_each)
         assert table.column("group_id").to_pylist() == [i for i in order for _ in range(2)]
         assert table.column("response_ids").num_chunks == slices
+
+
+@pytest.mark.parametrize(("budget", "over_budget", "after"), [(2, "regenerate", 2), ("auto", "regenerate", 8),
+                                                             (2, "train", None), ("auto", "train", None)])
+def test_a_running_group_is_untrainable_past_the_budget_only_when_over_budget_groups_are_regenerated(
+        budget, over_budget, after):
+    """Producers stop running groups older than this; under over_budget = "train" the queue trains them,
+    so stopping them threw away exactly what the setting keeps."""
+    config = QueueConfig(group_size=1, groups_per_step=1, max_staleness=budget, auto_max=8, over_budget=over_budget)
+    assert config.untrainable_after == after

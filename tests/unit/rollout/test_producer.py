@@ -158,3 +158,75 @@ def test_groups_certain_to_exceed_the_budget_are_stopped_when_weights_move_on(ti
     assert not errors and producer.stats.aborted_groups >= 1
     assert 0 in queue.returned_prompts() or queue.ticket_state(0) == "abandoned"
     assert np.isfinite(producer.stats.busy_slot_s)
+
+
+def accounted_for(queue) -> bool:
+    """Every prompt the cursor handed out is queued, consumed or given back: none held by a ticket."""
+    status = queue.status()
+    committed = [g.prompt_id for g in queue.queued_groups()]
+    return status["running"] == 0 and sorted(committed + queue.returned_prompts()) == list(range(status["prompt_cursor"]))
+
+
+def test_a_prompt_the_task_cannot_build_stops_the_producer_and_gives_every_ticket_back(tiny_model_dir, setup):
+    """The ticket whose prompt failed was out of the admitted list and not yet running: held for good."""
+    queue, registry = setup
+
+    class Unbuildable(ReverseDigits):
+        def prompt(self, prompt_id):
+            if prompt_id == 1:
+                raise ValueError("prompt 1 tokenizes to nothing")
+            return super().prompt(prompt_id)
+
+    producer = make_producer(tiny_model_dir, queue, registry, task=Unbuildable(2))
+    with running(producer) as errors:
+        deadline = time.time() + 30
+        while not errors and time.time() < deadline:
+            time.sleep(0.05)
+    assert len(errors) == 1 and "tokenizes to nothing" in str(errors[0])
+    assert accounted_for(queue) and 1 in queue.returned_prompts()
+
+
+def test_a_failure_after_a_commit_gives_back_every_batch_still_waiting(tiny_model_dir, setup, monkeypatch, tmp_path):
+    """The commit thread died with the failure and the batches queued behind it kept their tickets."""
+    from streamrl import failpoints
+
+    _, registry = setup
+
+    class SlowQueue(ReplayQueue):
+        def commit(self, batch, to_payload=None):
+            time.sleep(0.2)  # a commit under load: finished batches wait behind it
+            return super().commit(batch, to_payload)
+
+    queue = SlowQueue(QueueConfig(group_size=4, groups_per_step=3, max_staleness=100, max_in_flight=8, vocab_size=17))
+    monkeypatch.setenv(failpoints.ENV_SPEC, "producer.after_commit=raise@2")
+    monkeypatch.setenv(failpoints.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(failpoints, "_hits", {})
+    producer = make_producer(tiny_model_dir, queue, registry)
+    with running(producer) as errors:
+        deadline = time.time() + 30
+        while not errors and time.time() < deadline:
+            time.sleep(0.05)
+    assert len(errors) == 1 and isinstance(errors[0], failpoints.FailPointError)
+    assert queue.status()["committed"] >= 2 and accounted_for(queue)
+
+
+def test_a_producer_stopped_before_any_weights_were_published_returns_at_once(tiny_model_dir):
+    queue = ReplayQueue(QueueConfig(group_size=4, groups_per_step=3, max_staleness=1, max_in_flight=8))
+    producer = make_producer(tiny_model_dir, queue, WeightRegistry())
+    stop, errors = threading.Event(), []
+
+    def run():
+        try:
+            producer.run(stop, first_weights_timeout=60)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(0.2)
+    stopped = time.perf_counter()
+    stop.set()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and not errors
+    assert time.perf_counter() - stopped < 2  # it waited out first_weights_timeout, then raised TimeoutError
+    assert queue.status()["admitted"] == 0
