@@ -5,8 +5,10 @@
                    └─ none: paused / in-flight / capacity / staleness ─► retry;  stale_weights ─► wait for newer
  decode loop:    newer weights? switch (the stall is measured) ─► admitted groups join the engine ─► step
                    └─ a group's G samples all ended ─► rewards ─► Arrow batch ─► commit queue
- commit thread:  queue.commit(batch)  (refused: the tickets are given back; an error is re-raised in the loop)
- newer weights:  groups now certain to exceed the staleness budget are stopped and given back
+ commit thread:  queue.commit(batch)  (refused: the tickets are given back; an error is re-raised in the loop,
+                   and every batch after it is given back)
+ newer weights:  groups now certain to exceed the staleness budget are stopped and given back (unless the
+                   queue trains over-budget groups: `max_staleness=None`)
  stop:           batches already made are committed; running and admitted groups are given back
 ```
 A slot frees as soon as one sequence ends, so a long response holds one slot, not a whole batch: the
