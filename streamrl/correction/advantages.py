@@ -16,13 +16,16 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale: bool = Tru
     """`(r - mean_group) / (std_group + eps)`; without `scale`, only the mean is removed (Dr. GRPO).
 
     rewards: [N] with the G samples of each group adjacent. Returns [N]. The std is the population
-    std (unbiased=False), so a group of one sample gets a zero advantage rather than NaN.
+    std (unbiased=False), so a group of one sample gets a zero advantage rather than NaN. A group whose
+    rewards are all equal gets exactly zero: its float32 mean can be one rounding step off, and divided
+    by a std of ~1e-7 + eps that residue became an advantage of the same sign for every sample.
     """
     grouped = _grouped(rewards, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if scale:
         centred = centred / (grouped.std(dim=1, unbiased=False, keepdim=True) + eps)
-    return centred.reshape(-1)
+    flat = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
+    return centred.masked_fill(flat, 0.0).reshape(-1)
 
 
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -301,7 +301,11 @@ def m2po_values(is_log_ratio: torch.Tensor, advantages: torch.Tensor, valid: tor
 def m2po_cutoff(values: torch.Tensor, m2_tau: float) -> float:
     """M2PO's Algorithm 1 as a threshold: the trust-region tokens with the largest (log r)² are masked
     until the mean over the rest is at most τ; the smallest value masked (a token at or above it is
-    masked), +inf when nothing needs masking."""
+    masked), +inf when nothing needs masking. Tokens tied at the cutoff are masked together, which can
+    be more than the fewest removals that suffice (four tied at the top where one would do: all four):
+    the algorithm names no order among equal values, ties come from identical responses, which this
+    treats alike, and a threshold is the same mask in every micro-batch and rank with no global token
+    order. The rest's mean is at most τ either way."""
     n = values.numel()
     if n == 0 or float(values.double().mean()) <= m2_tau:
         return math.inf

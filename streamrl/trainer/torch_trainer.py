@@ -48,7 +48,7 @@ class TorchBackend(ModuleBackend):
         positions are right)."""
         with autocast(self.device, self.compute_dtype):
             logits = (model or self.model)(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-        return token_logprobs(logits / self.temperature, input_ids[:, 1:])
+        return token_logprobs(logits, input_ids[:, 1:], temperature=self.temperature)
 
     def _micro_batch(self, model: torch.nn.Module, batch: PaddedBatch, lengths: np.ndarray,
                      rows: np.ndarray) -> torch.Tensor:

@@ -283,6 +283,15 @@ def test_m2po_masks_as_the_papers_algorithm_and_its_gradient_is_the_unclipped_be
     assert m2po_cutoff(values, 10.0) == math.inf  # within the budget: nothing masked
 
 
+def test_m2po_masks_tokens_tied_at_the_cutoff_together_and_the_rest_meets_the_budget():
+    from streamrl.correction.losses import m2po_cutoff
+
+    values = torch.tensor([1.0] * 4 + [0.0] * 6, dtype=torch.float64)  # identical responses tie
+    cutoff = m2po_cutoff(values, 0.35)
+    assert cutoff == 1.0 and int((values >= cutoff).sum()) == 4  # one removal would do: all four tied go
+    assert float(values[values < cutoff].mean()) <= 0.35
+
+
 def test_m2po_micro_batches_with_the_whole_batchs_cutoff_add_up_and_without_it_do_not():
     from streamrl.correction.losses import m2po_cutoff, m2po_values
 

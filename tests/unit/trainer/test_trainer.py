@@ -284,6 +284,22 @@ def test_the_train_inference_mismatch_is_reported_and_bf16_training_keeps_float3
     assert {v.dtype for s in bf16.backend.optimizer.state.values() for k, v in s.items() if k != "step"} == {torch.float32}
 
 
+def test_a_bf16_trainer_at_a_temperature_divides_its_logits_in_float32_as_the_sampler_does(tiny_model_dir):
+    from streamrl.trainer.torch_trainer import TorchBackend
+
+    backend = TorchBackend(tiny_model_dir, config=TrainerSection(), temperature=0.6, dtype="bfloat16")
+    with torch.no_grad():
+        backend.model.lm_head.weight.mul_(40)  # logits of an LLM's size, where a second bf16 rounding shows
+    ids = torch.randint(1, 17, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        logits = backend.model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    assert logits.dtype == torch.bfloat16 and logits.abs().max() > 8
+    sampler = torch.log_softmax(logits.float() / 0.6, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    with torch.no_grad():
+        torch.testing.assert_close(backend.token_logprobs(ids, mask), sampler, atol=1e-5, rtol=0)
+
+
 def test_a_stale_only_batch_reports_no_mismatch(tiny_model_dir):
     queue = ReplayQueue(QueueConfig(group_size=4, groups_per_step=4, max_in_flight=64))
     t = trainer(tiny_model_dir)
