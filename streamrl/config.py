@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from streamrl.buffer.config import QueueConfig
 from streamrl.correction.config import LossConfig
@@ -281,8 +281,13 @@ class RaySection(_Section):
     """CPUs of the local instance (default: all)."""
 
 
+# A run's queue where its config says nothing; a `[queue]` table that sets some fields keeps these for the
+# rest (it fell back to QueueConfig's own defaults, and setting any one field moved η from 2 to 1).
+_RUN_QUEUE = {"group_size": 8, "groups_per_step": 32, "max_staleness": 2, "max_in_flight": 64}
+
+
 def _default_queue() -> QueueConfig:
-    return QueueConfig(group_size=8, groups_per_step=32, max_staleness=2, max_in_flight=64)
+    return QueueConfig(**_RUN_QUEUE)
 
 
 class RunConfig(_Section):
@@ -297,6 +302,11 @@ class RunConfig(_Section):
     logging: LoggingSection = LoggingSection()
     ray: RaySection = RaySection()
     sim: SimSection = SimSection()
+
+    @field_validator("queue", mode="before")
+    @classmethod
+    def _queue_over_run_defaults(cls, value: object) -> object:
+        return {**_RUN_QUEUE, **value} if isinstance(value, dict) else value
 
     @property
     def optimizer_steps(self) -> int:

@@ -64,12 +64,24 @@ def fields(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, str,
         yield dotted, _type_name(field.annotation), _default(field), description
 
 
+def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def reference() -> str:
     from streamrl.config import RunConfig
 
     out: list[str] = []
     section = None
+    run_defaults = _flat(RunConfig().model_dump(mode="json"))  # a section's defaults in a run may differ from its class's
     for dotted, kind, default, description in fields(RunConfig):
+        default = json.dumps(run_defaults[dotted]) if dotted in run_defaults else default
         head = dotted.split(".")[0]
         if head != section:
             section = head

@@ -86,14 +86,14 @@ class QueueActor:
             log.info("max_staleness %s -> %s at version %s", before, eta, self.queue.version)
 
     def pause(self, hold: str = OPERATOR_HOLD) -> bool:
-        changed = self.queue.pause(hold)
-        log.info("admission paused by %s%s", hold, "" if changed else " (already held)")
-        return changed
+        was_held = self.queue.pause(hold)
+        log.info("admission paused by %s%s", hold, " (already held)" if was_held else "")
+        return was_held
 
     def resume(self, hold: str = OPERATOR_HOLD) -> bool:
-        changed = self.queue.resume(hold)
-        log.info("%s's hold on admission lifted%s", hold, "" if changed else " (it held none)")
-        return changed
+        was_held = self.queue.resume(hold)
+        log.info("%s's hold on admission lifted%s", hold, "" if was_held else " (it held none)")
+        return was_held
 
     def close(self) -> None:
         self.queue.close()

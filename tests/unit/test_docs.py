@@ -35,6 +35,7 @@ def test_the_reference_lists_every_field_of_the_config():
     missing = sorted(f for f in fields if f"| `{f}` |" not in page)
     assert not missing, missing
     assert "Trainer steps (optimizer updates) to take" in page  # the docstring under run.steps
+    assert "| `queue.max_staleness` |" in page and "| `2` |" in page.split("| `queue.max_staleness` |")[1].split("\n")[0]
 
 
 def test_the_reference_replaces_the_marker_on_the_configuration_page():

@@ -428,3 +428,19 @@ def test_a_running_group_is_untrainable_past_the_budget_only_when_over_budget_gr
     so stopping them threw away exactly what the setting keeps."""
     config = QueueConfig(group_size=1, groups_per_step=1, max_staleness=budget, auto_max=8, over_budget=over_budget)
     assert config.untrainable_after == after
+
+
+def test_the_queue_actor_logs_whether_a_hold_was_already_held_the_right_way_round(caplog):
+    """The log read `pause`'s "was it held before" as "did it change": every run's queue.log began with
+    "admission paused by shutdown (already held)"."""
+    import logging
+
+    from streamrl.buffer.actor import QueueActor
+
+    actor = QueueActor(QueueConfig(group_size=1, groups_per_step=1).model_dump())
+    with caplog.at_level(logging.INFO, logger="streamrl"):
+        assert [actor.pause("shutdown"), actor.pause("shutdown"), actor.resume("shutdown"),
+                actor.resume("shutdown")] == [False, True, True, False]
+    assert [r.getMessage() for r in caplog.records] == [
+        "admission paused by shutdown", "admission paused by shutdown (already held)",
+        "shutdown's hold on admission lifted", "shutdown's hold on admission lifted (it held none)"]

@@ -95,3 +95,12 @@ def test_example_configs_load(name):
         assert config.queue.max_staleness == 0
     if name == "one-step":
         assert config.queue.max_staleness == 1 and config.queue.admission == "per_step"
+
+
+def test_a_queue_table_that_sets_one_field_keeps_the_runs_defaults_for_the_others(tmp_path):
+    """It fell back to QueueConfig's own defaults: setting capacity_tokens moved η from 2 to 1."""
+    path = tmp_path / "run.toml"
+    path.write_text("[queue]\ncapacity_tokens = 4000000\n")
+    expected = RunConfig().queue.model_copy(update={"capacity_tokens": 4_000_000})
+    assert load_config(path).queue == expected and RunConfig().queue.max_staleness == 2
+    assert config_from_dict({"queue": {"capacity_tokens": 4_000_000}}).queue == expected
