@@ -49,7 +49,7 @@ from streamrl.runtime.rundir import (
     RunDirError,
 )
 from streamrl.runtime.summary import summarize
-from streamrl.runtime.supervision import Producers, RunActors, RunFailed, first_line
+from streamrl.runtime.supervision import Producers, RunActors, RunFailed, first_line, last_line
 from streamrl.weights.actor import WeightsActor
 
 __all__ = ["Run", "RunFailed", "launch", "prepare"]
@@ -415,10 +415,7 @@ def prepare(config_path: str | None = None, overrides: list[str] | None = None, 
         if step >= config.run.steps:
             raise ConfigError(f"the run is already at step {step} and run.steps = {config.run.steps}; "
                               f"continue it with --set run.steps=N (N > {step})")
-        for name in STEP_FILES:
-            run_dir.truncate_after(name, step)
-        run_dir.discard_checkpoints_after(step)  # else the resumed run would meet them at the same steps
-        return config, run_dir, checkpoint
+        return config, run_dir, checkpoint  # rewound to the checkpoint once the run has started (`launch`)
     from streamrl.config import load_config
 
     config = resolve_paths(load_config(config_path, overrides))
@@ -456,10 +453,21 @@ def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
     try:
         try:
             run.start()
-        except (ConfigError, KeyboardInterrupt):
+        except BaseException as exc:
             if resume_from is None:
                 run_dir.discard_unstarted()  # nothing ran: the same command can be fixed and run again
+            if isinstance(exc, ray.exceptions.RayError):  # an actor that could not start: its own error
+                where = (f"logs in {run_dir.path / 'logs'}" if resume_from else
+                         "nothing ran: its run directory was removed, the same command can run again")
+                raise RunFailed(f"the run could not start: {last_line(exc)} ({where})") from exc
             raise
+        if resume_from is not None:
+            # Only now that the run has started: a resume refused for its input (too few CPUs, a model
+            # that does not load) leaves the run directory as it was.
+            for name in STEP_FILES:
+                run_dir.truncate_after(name, run.start_step)
+            run_dir.discard_checkpoints_after(run.start_step)  # else the resumed run would meet them again
+            run_dir.save_config(config)  # what --set changed holds for the next resume too
         try:
             run.train(view, stop or threading.Event())
         except KeyboardInterrupt:

@@ -58,8 +58,13 @@ class RunDir:
             raise RunDirError(f"run directory {str(run.path)!r} already exists: pick another run.name, "
                               f"or continue it with --resume {run.path}")
         run.path.mkdir(parents=True)
-        run.config_file.write_text(dump_config(config))
+        run.save_config(config)
         return run
+
+    def save_config(self, config: RunConfig) -> None:
+        tmp = self.path / f".{self.config_file.name}.tmp"
+        tmp.write_text(dump_config(config))
+        tmp.replace(self.config_file)
 
     @classmethod
     def open(cls, path: str | Path) -> RunDir:

@@ -40,6 +40,12 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
+def last_line(exc: BaseException) -> str:
+    """The innermost error of a Ray error, whose text ends with the failed task's traceback."""
+    text = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return (text[-1].strip() if text else type(exc).__name__)[:300]
+
+
 def actor_died(exc: BaseException) -> bool:
     """The error says an actor's process is gone (killed, crashed, its node lost), not that its code raised."""
     while exc is not None:

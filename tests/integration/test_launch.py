@@ -196,13 +196,27 @@ def test_colocated_servers_free_the_gpu_for_every_trainer_step(ray_local, tmp_pa
 def test_resume_continues_without_losing_or_repeating_a_group(ray_local, tmp_path):
     # with a learning-rate schedule across the resume (warm-up, then a cosine decay over all 8 steps)
     first, run_dir = run_tiny(tmp_path, "resumable", "run.steps=4", "queue.max_staleness=2", "producers.count=1",
-                              "trainer.lr_schedule=cosine", "trainer.warmup_steps=2", "trainer.lr_decay_steps=8")
+                              "trainer.lr_schedule=cosine", "trainer.warmup_steps=2", "trainer.lr_decay_steps=8",
+                              "run.checkpoint_every=2")
     saved = load_queue(run_dir.latest_checkpoint() / "queue")
     queued_at_checkpoint = {g.group_id for g in saved.queued_groups()}
     assert queued_at_checkpoint  # the producer ran ahead: there is queued data to carry over
 
+    # A resume from the older checkpoint that the cluster refuses leaves everything as it was (it used to
+    # have deleted step_000004 and cut the metrics back to step 2 before the refusal).
+    latest = run_dir.checkpoints / "latest"
+    latest.write_text("step_000002\n")
+    before = {name: (run_dir.path / name).read_bytes() for name in ("metrics.jsonl", "groups.jsonl", "config.toml")}
+    config, opened, checkpoint = prepare(None, ["run.steps=8", "producers.num_cpus=8"], resume=str(run_dir.path))
+    with pytest.raises(ConfigError, match="reserves"):
+        launch(config, opened, checkpoint)
+    assert {name: (run_dir.path / name).read_bytes() for name in before} == before
+    assert sorted(p.name for p in run_dir.checkpoints.glob("step_*")) == ["step_000002", "step_000004"]
+    latest.write_text("step_000004\n")
+
     config, opened, checkpoint = prepare(None, ["run.steps=8", "logging.progress=none"], resume=str(run_dir.path))
     second = launch(config, opened, checkpoint)
+    assert RunDir.open(run_dir.path).config().run.steps == 8  # what --set changed holds for the next resume
     metrics = run_dir.read("metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 9)) and second["steps"] == 8
     from streamrl.trainer.schedule import lr_at
@@ -346,6 +360,24 @@ def test_a_run_that_needs_more_than_the_cluster_has_is_refused_and_leaves_nothin
     assert not run_dir.path.exists()
     with pytest.raises(ValueError):
         ray.get_actor("greedy/queue", namespace="streamrl")
+
+
+def test_a_run_whose_model_cannot_load_fails_in_one_line_and_the_same_command_can_run_again(
+        ray_local, tmp_path, tiny_model_dir):
+    import shutil
+
+    from streamrl.runtime.launch import RunFailed
+
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_model_dir, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.unlink()  # the config is there, so the checks before Ray pass; the actors cannot load it
+    sets = tiny(tmp_path, "unloadable", f"model.path={json.dumps(str(broken))}")
+    for _ in range(2):  # the run directory it created is gone: the same command is not refused as taken
+        config, run_dir, _ = prepare(None, sets)
+        with pytest.raises(RunFailed, match=r"the run could not start: .*safetensors.*nothing ran") as failed:
+            launch(config, run_dir)
+        assert "\n" not in str(failed.value) and not run_dir.path.exists()
 
 
 def test_sequences_longer_than_the_model_allows_are_refused_before_anything_starts(tmp_path):
