@@ -70,9 +70,14 @@ def launch(args: argparse.Namespace) -> int:
         print(f"streamrl: run failed: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # during start-up, or a second Ctrl-C while stopping
-        kept = run_dir.latest_checkpoint_name()
-        print("streamrl: interrupted; " + (f"the last complete checkpoint is {kept} (resume with --resume "
-                                            f"{run_dir.path})" if kept else "nothing was trained"), file=sys.stderr)
+        kept = run_dir.latest_checkpoint_name() if run_dir.path.exists() else None
+        if kept:
+            where = f"the last complete checkpoint is {kept} (resume with --resume {run_dir.path})"
+        elif run_dir.path.exists() and run_dir.read("metrics.jsonl"):
+            where = "no checkpoint was written (run.checkpoint_every): the steps trained cannot be resumed"
+        else:
+            where = "nothing was trained"
+        print(f"streamrl: interrupted; {where}", file=sys.stderr)
         return 130
     print(describe_summary(summary))
     print(f"run directory: {run_dir.path}")

@@ -12,16 +12,17 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 # SIGTERM counts when the launcher made it stop the run like Ctrl-C (`launch(sigterm_stops=True)`).
 _STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """Run the block to its end; a Ctrl-C that came meanwhile is raised as KeyboardInterrupt after it,
-    a second one at once."""
+def interrupts_deferred(*, raise_after: bool = True, notice: Callable[[], None] | None = None) -> Iterator[None]:
+    """Run the block to its end; a Ctrl-C that came meanwhile is raised as KeyboardInterrupt after it
+    (with `raise_after=False`, only noted: the block was the stop already), a second one at once.
+    `notice()` is called when the first one comes."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers run only in the main thread: nothing can interrupt this one
         return
@@ -33,6 +34,8 @@ def interrupts_deferred() -> Iterator[None]:
         if caught:
             raise KeyboardInterrupt
         caught.append(signum)
+        if notice is not None:
+            notice()
 
     for sig in replaced:
         signal.signal(sig, hold)
@@ -41,5 +44,5 @@ def interrupts_deferred() -> Iterator[None]:
     finally:
         for sig, handler in replaced.items():
             signal.signal(sig, handler)
-    if caught:
+    if caught and raise_after:
         raise KeyboardInterrupt

@@ -478,7 +478,16 @@ def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
             if failed is None:
                 raise
             raise failed from exc
-        return run.finish(view)
+        if run.stopped_by == "interrupted":
+            return run.finish(view)  # a Ctrl-C now is the second: it aborts
+        # The run is over and stops by itself: a first Ctrl-C or SIGTERM while it does (producers finishing,
+        # the final evaluation and checkpoint) waits for the checkpoint instead of losing it; a second aborts.
+        def notice() -> None:
+            log.warning("interrupted while the finished run stops: the final checkpoint is written first")
+            view.print("the run is over and stopping: the final checkpoint is being written (Ctrl-C again to abort)")
+
+        with interrupts_deferred(raise_after=False, notice=notice):
+            return run.finish(view)
     finally:
         view.close()
         try:

@@ -145,6 +145,20 @@ def test_a_held_ctrl_c_is_raised_after_the_block_a_second_one_at_once():
                 time.sleep(0.05)
                 finished.append(True)
         assert finished == [True, True] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        noticed = []
+        with interrupts_deferred(raise_after=False, notice=lambda: noticed.append(True)):  # the stop itself
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            finished.append(True)
+        assert finished == [True, True, True] and noticed == [True]
+        with pytest.raises(KeyboardInterrupt):  # and twice aborts it
+            with interrupts_deferred(raise_after=False):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+                finished.append(True)
+        assert finished == [True, True, True] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, previous)
 

@@ -208,6 +208,30 @@ def test_a_signal_in_any_phase_stops_cleanly_with_a_consistent_checkpoint(ray_lo
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_a_finished_run_stops_waits_for_its_final_checkpoint(ray_local, tmp_path, signum):
+    """It aborted the stop as a second Ctrl-C would: no final checkpoint, no summary."""
+    directory = tmp_path / "failpoints"
+    directory.mkdir()
+    name = "finishing"
+    proc = launch_joining(tmp_path, name, "run.steps=6", "run.checkpoint_every=4",
+                          env={failpoints.ENV_SPEC: "launch.stop_producers=sleep:4", failpoints.ENV_DIR: str(directory)})
+    wait_for_fail_point(proc, directory, "launch.stop_producers")
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-3000:]
+    run_dir = RunDir.open(tmp_path / name)
+    assert "the final checkpoint is written first" in (run_dir.path / "logs" / "driver.log").read_text()
+    summary = json.loads((run_dir.path / "summary.json").read_text())
+    assert summary["stopped_by"] == "steps" and summary["steps"] == 6
+    assert run_dir.latest_checkpoint_name() == "step_000006"
+    assert_consistent_final_checkpoint(run_dir)
+    assert_nothing_left(proc, name)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_start_up_leaves_nothing(ray_local, tmp_path, signum):
     directory = tmp_path / "failpoints"
     directory.mkdir()
