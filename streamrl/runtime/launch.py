@@ -43,7 +43,6 @@ from streamrl.runtime.rundir import (
     EVENTS_FILE,
     GROUPS_FILE,
     METRICS_FILE,
-    STEP_FILES,
     SUMMARY_FILE,
     RunDir,
     RunDirError,
@@ -464,10 +463,7 @@ def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
         if resume_from is not None:
             # Only now that the run has started: a resume refused for its input (too few CPUs, a model
             # that does not load) leaves the run directory as it was.
-            for name in STEP_FILES:
-                run_dir.truncate_after(name, run.start_step)
-            run_dir.discard_checkpoints_after(run.start_step)  # else the resumed run would meet them again
-            run_dir.save_config(config)  # what --set changed holds for the next resume too
+            run_dir.rewind(run.start_step, config)
         try:
             run.train(view, stop or threading.Event())
         except KeyboardInterrupt:

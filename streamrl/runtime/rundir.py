@@ -129,6 +129,17 @@ class RunDir:
             shutil.rmtree(old)
         return target
 
+    def rewind(self, step: int, config: RunConfig) -> list[str]:
+        """The directory as it was at checkpoint `step`, for a resumed run once it has started: records of
+        later steps dropped, checkpoints of later steps removed (else the resumed run would meet them at
+        the same steps), and config.toml the resumed run's (what --set changed holds for the next
+        resume). The names of the checkpoints removed."""
+        for name in STEP_FILES:
+            self.truncate_after(name, step)
+        removed = self.discard_checkpoints_after(step)
+        self.save_config(config)
+        return removed
+
     def discard_checkpoints_after(self, step: int) -> list[str]:
         """Remove checkpoints of steps after `step` (the one a run resumes from): complete ones a run
         that died before moving `latest` left, from steps the resumed run will train again. Their names."""
@@ -142,7 +153,11 @@ class RunDir:
         pointer = self.checkpoints / "latest"
         if not pointer.is_file():
             raise RunDirError(f"{str(self.path)!r} has no checkpoint to resume from")
-        target = self.checkpoints / pointer.read_text().strip()
+        try:
+            name = pointer.read_text().strip()
+        except UnicodeDecodeError as exc:
+            raise RunDirError(f"{str(pointer)!r} does not name a checkpoint ({exc})") from exc
+        target = self.checkpoints / name
         if not (target / "meta.json").is_file():
             raise RunDirError(f"checkpoint {str(target)!r} is incomplete (no meta.json)")
         return target
@@ -172,12 +187,22 @@ def checkpoint_problem(directory: Path) -> str | None:
         return f"{CHECKSUMS} is missing"
     try:
         expected = json.loads(listing.read_text())
-    except ValueError as exc:
+    except ValueError as exc:  # UnicodeDecodeError too
         return f"{CHECKSUMS} is not valid JSON ({exc})"
+    if not isinstance(expected, dict) or not all(isinstance(v, str) for v in expected.values()):
+        return f"{CHECKSUMS} is not a mapping of file names to checksums"
+    if "meta.json" not in expected:
+        return f"{CHECKSUMS} does not list meta.json"
     for name, digest in expected.items():
         path = directory / name
         if not path.is_file():
             return f"{name} is missing"
         if sha256_file(path) != digest:
             return f"{name} does not match its checksum (truncated or altered)"
+    try:
+        step = json.loads((directory / "meta.json").read_text()).get("step")
+    except (ValueError, AttributeError) as exc:
+        return f"meta.json is not a JSON object ({exc})"
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"meta.json's step is {step!r}, not a step number"
     return None

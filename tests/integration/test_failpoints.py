@@ -85,6 +85,38 @@ def test_a_checkpoint_without_its_checksums_is_refused(tmp_path):
         run_dir.verified_checkpoint()
 
 
+@pytest.mark.parametrize("damage, named", [
+    (lambda c: (c / "checksums.json").write_text("[]"), "checksums.json is not a mapping"),
+    (lambda c: (c / "checksums.json").write_text("{}"), "checksums.json does not list meta.json"),
+    (lambda c: (c / "checksums.json").write_bytes(b"\xff\xfe{"), "checksums.json is not valid JSON"),
+    (lambda c: _rewrite_meta(c, {"written_at": 1.0}), "meta.json's step is None"),
+    (lambda c: _rewrite_meta(c, ["step", 4]), "meta.json is not a JSON object"),
+])
+def test_checkpoint_files_of_the_wrong_shape_are_refused_as_damaged(tmp_path, damage, named):
+    """Valid JSON of the wrong shape crashed the resume with AttributeError or KeyError."""
+    run_dir = write_checkpoints(tmp_path)
+    damage(run_dir.step_dir(4))
+    with pytest.raises(RunDirError, match=named):
+        run_dir.verified_checkpoint()
+
+
+def _rewrite_meta(checkpoint, meta):
+    """meta.json changed and its checksum with it: well formed, wrongly shaped."""
+    from streamrl.runtime.rundir import sha256_file
+
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    listing = json.loads((checkpoint / "checksums.json").read_text())
+    listing["meta.json"] = sha256_file(checkpoint / "meta.json")
+    (checkpoint / "checksums.json").write_text(json.dumps(listing))
+
+
+def test_a_latest_pointer_that_is_not_text_is_refused(tmp_path):
+    run_dir = write_checkpoints(tmp_path)
+    (run_dir.checkpoints / "latest").write_bytes(b"\xffstep")
+    with pytest.raises(RunDirError, match="does not name a checkpoint"):
+        run_dir.verified_checkpoint()
+
+
 def test_a_write_killed_half_way_leaves_the_previous_checkpoint_in_force(tmp_path):
     run_dir = write_checkpoints(tmp_path)
 
@@ -208,6 +240,8 @@ def test_a_resume_removes_checkpoints_of_later_steps_that_latest_never_pointed_t
         run_dir.write_checkpoint(6, lambda tmp: None, {"step": 6}, keep=3)
     monkeypatch.undo()
     assert run_dir.step_dir(6).is_dir() and run_dir.latest_checkpoint().name == "step_000003"
-    _, opened, checkpoint = prepare(None, ["logging.progress=none"], resume=str(run_dir.path))
+    config, opened, checkpoint = prepare(None, ["logging.progress=none"], resume=str(run_dir.path))
     assert checkpoint.name == "step_000003"
+    assert sorted(p.name for p in opened.checkpoints.glob("step_*")) == ["step_000003", "step_000006"]  # not yet
+    assert opened.rewind(3, config) == ["step_000006"]  # once the resumed run has started (`launch`)
     assert sorted(p.name for p in opened.checkpoints.glob("step_*")) == ["step_000003"]
