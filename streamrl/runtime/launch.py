@@ -405,15 +405,20 @@ def prepare(config_path: str | None = None, overrides: list[str] | None = None, 
             raise ConfigError("--resume reads the run's own config.toml; drop the CONFIG argument "
                               "(use --set to change what may change)")
         run_dir = RunDir.open(resume)
-        saved = run_dir.config()
-        config = run_dir.config(overrides)
-        check_resume_overrides(saved, config)
-        check_model_and_task(config)
-        checkpoint = run_dir.verified_checkpoint()
-        step = json.loads((checkpoint / "meta.json").read_text())["step"]
-        if step >= config.run.steps:
-            raise ConfigError(f"the run is already at step {step} and run.steps = {config.run.steps}; "
-                              f"continue it with --set run.steps=N (N > {step})")
+        run_dir.hold()  # held until `launch` returns: no other launcher resumes it meanwhile
+        try:
+            saved = run_dir.config()
+            config = run_dir.config(overrides)
+            check_resume_overrides(saved, config)
+            check_model_and_task(config)
+            checkpoint = run_dir.verified_checkpoint()
+            step = json.loads((checkpoint / "meta.json").read_text())["step"]
+            if step >= config.run.steps:
+                raise ConfigError(f"the run is already at step {step} and run.steps = {config.run.steps}; "
+                                  f"continue it with --set run.steps=N (N > {step})")
+        except BaseException:
+            run_dir.release()
+            raise
         return config, run_dir, checkpoint  # rewound to the checkpoint once the run has started (`launch`)
     from streamrl.config import load_config
 
@@ -424,6 +429,7 @@ def prepare(config_path: str | None = None, overrides: list[str] | None = None, 
         named = config.run.model_copy(update={"name": f"{config.task.kind}-{stamp}"})
         config = config.model_copy(update={"run": named})
     run_dir = RunDir.create(Path(config.run.output_dir) / config.run.name, config)
+    run_dir.hold()
     return config, run_dir, None
 
 
@@ -441,6 +447,7 @@ def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
         logs.end_run()
         if resume_from is None:
             run_dir.discard_unstarted()  # an unreachable cluster, or Ctrl-C while joining it: nothing ran
+        run_dir.release()
         raise
     if sigterm_stops:  # again: Ray's core worker installs its own SIGTERM handler, which exits at once
         signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -490,5 +497,8 @@ def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
             run.teardown()
         finally:
             logs.end_run()
-            if started_ray:
-                ray.shutdown()
+            try:
+                if started_ray:
+                    ray.shutdown()
+            finally:
+                run_dir.release()  # the run is over: it may be resumed

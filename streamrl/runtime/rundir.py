@@ -15,8 +15,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +37,51 @@ class RunDirError(RuntimeError):
     """The run directory cannot be created or resumed; the message says why."""
 
 
+LAUNCHER_LOCK = ".launcher.lock"  # flock'd by the launcher that owns the run; holds its pid
+_locks: dict[str, list[int]] = {}  # run directory -> [fd, holders]: a process shares its own lock
+_locks_guard = threading.Lock()
+
+
 class RunDir:
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self._holding = False
+
+    # ---- one launcher per run ------------------------------------------------------------------------
+    def hold(self) -> None:
+        """Take the run's launcher lock (released by `release`, or when the process ends, however it
+        ends). A second launcher on the same directory, a `--resume` of a run still going, is refused:
+        it would rewind and write files the running one is appending to."""
+        if self._holding:
+            return
+        key = str(self.path.resolve())
+        with _locks_guard:
+            if key not in _locks:
+                fd = os.open(self.path / LAUNCHER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                    os.close(fd)
+                    raise RunDirError(f"run directory {str(self.path)!r} is in use by another streamrl launch "
+                                      f"(pid {holder}): let it finish or stop it first") from None
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                _locks[key] = [fd, 0]
+            _locks[key][1] += 1
+            self._holding = True
+
+    def release(self) -> None:
+        if not self._holding:
+            return
+        key = str(self.path.resolve())
+        with _locks_guard:
+            self._holding = False
+            held = _locks[key]
+            held[1] -= 1
+            if held[1] == 0:
+                os.close(held[0])  # closing the descriptor drops the flock
+                del _locks[key]
 
     # ---- files ---------------------------------------------------------------------------------------
     @property
@@ -77,6 +122,7 @@ class RunDir:
         """Remove a run directory that never trained (no metrics, no checkpoint)."""
         if (self.path / METRICS_FILE).exists() or self.checkpoints.exists():
             raise RunDirError(f"{str(self.path)!r} holds a run's results; it is not removed")
+        self.release()
         shutil.rmtree(self.path)
 
     def config(self, overrides: list[str] | None = None) -> RunConfig:

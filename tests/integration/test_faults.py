@@ -207,6 +207,28 @@ def test_a_signal_in_any_phase_stops_cleanly_with_a_consistent_checkpoint(ray_lo
     assert_nothing_left(proc, name)
 
 
+def test_a_resume_of_a_run_still_going_is_refused_and_changes_nothing(ray_local, tmp_path):
+    """Accepted, it rewound the live run's files (metrics.jsonl cut from 92 lines to 51 under it) and would
+    have trained a second copy of the run into the same directory."""
+    from streamrl.runtime.launch import prepare
+    from streamrl.runtime.rundir import RunDirError
+
+    proc = launch_joining(tmp_path, "live")
+    run_dir = RunDir(tmp_path / "live")  # opened once the launcher has made it
+    deadline = time.time() + 90
+    while not (run_dir.checkpoints / "latest").is_file() or len(run_dir.read("metrics.jsonl")) < 3:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+    with pytest.raises(RunDirError, match=rf"in use by another streamrl launch \(pid {proc.pid}\)"):
+        prepare(None, ["logging.progress=none"], resume=str(run_dir.path))
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output[-3000:]
+    summary = json.loads((run_dir.path / "summary.json").read_text())
+    assert [m["step"] for m in run_dir.read("metrics.jsonl")] == list(range(1, summary["steps"] + 1))
+    assert_nothing_left(proc, "live")
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_while_a_finished_run_stops_waits_for_its_final_checkpoint(ray_local, tmp_path, signum):
     """It aborted the stop as a second Ctrl-C would: no final checkpoint, no summary."""
