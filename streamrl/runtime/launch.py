@@ -398,7 +398,8 @@ class Run:
 
 def prepare(config_path: str | None = None, overrides: list[str] | None = None, *,
             resume: str | None = None) -> tuple[RunConfig, RunDir, Path | None]:
-    """Validate everything that can be checked before Ray starts, and create or open the run directory."""
+    """Validate everything that can be checked before Ray starts, and create or open the run directory,
+    held by this process (one launcher per run directory) until `launch` returns."""
     overrides = list(overrides or [])
     if resume is not None:
         if config_path is not None:
