@@ -37,7 +37,7 @@ class RunDirError(RuntimeError):
     """The run directory cannot be created or resumed; the message says why."""
 
 
-LAUNCHER_LOCK = ".launcher.lock"  # flock'd by the launcher that owns the run; holds its pid
+LAUNCHER_PID = ".launcher.pid"  # the pid of the launcher holding the run directory, while it does
 _locks: dict[str, list[int]] = {}  # run directory -> [fd, holders]: a process shares its own lock
 _locks_guard = threading.Lock()
 
@@ -49,24 +49,24 @@ class RunDir:
 
     # ---- one launcher per run ------------------------------------------------------------------------
     def hold(self) -> None:
-        """Take the run's launcher lock (released by `release`, or when the process ends, however it
-        ends). A second launcher on the same directory, a `--resume` of a run still going, is refused:
-        it would rewind and write files the running one is appending to."""
+        """Take the run's launcher lock, an flock on the directory itself (released by `release`, or when
+        the process ends, however it ends). A second launcher on the same directory, a `--resume` of a run
+        still going, is refused: it would rewind and write files the running one is appending to."""
         if self._holding:
             return
         key = str(self.path.resolve())
         with _locks_guard:
             if key not in _locks:
-                fd = os.open(self.path / LAUNCHER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+                fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
                     os.close(fd)
+                    pid = self.path / LAUNCHER_PID
+                    holder = pid.read_text().strip() if pid.is_file() else "?"
                     raise RunDirError(f"run directory {str(self.path)!r} is in use by another streamrl launch "
                                       f"(pid {holder}): let it finish or stop it first") from None
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                (self.path / LAUNCHER_PID).write_text(f"{os.getpid()}\n")  # removed by the last release
                 _locks[key] = [fd, 0]
             _locks[key][1] += 1
             self._holding = True
@@ -80,6 +80,7 @@ class RunDir:
             held = _locks[key]
             held[1] -= 1
             if held[1] == 0:
+                (self.path / LAUNCHER_PID).unlink(missing_ok=True)
                 os.close(held[0])  # closing the descriptor drops the flock
                 del _locks[key]
 
