@@ -4,7 +4,12 @@
 
 Batch 16, length 1024, vocabulary 32,768, float32 logits on the CPU (2.1 GB of logits). Each variant
 runs in a fresh subprocess; its peak is the growth of the process's peak RSS over what it held once the
-logits existed, so the two numbers are comparable and the logits themselves are not counted.
+logits existed, so the two numbers are comparable and the logits themselves are not counted. The
+logits are contiguous, as the trainer's are (it has the model compute them for the positions it needs,
+`logits_to_keep`; the slice `logits[:, :-1]` it took before made autograd widen the gradient into a
+second 2.1 GB buffer). The headline is the forward and backward pass, as the trainer runs it (the
+gradient of the logits, 2.1 GB, is in both variants' peaks); the forward pass alone, what `logprobs`
+without gradients costs, is reported beside it (`forward_*`). Earlier reports gave only the forward pass.
 """
 
 from __future__ import annotations
@@ -36,19 +41,33 @@ def worker(variant: str, repeats: int) -> dict:
     torch.manual_seed(0)
     logits = torch.randn(BATCH, LENGTH, VOCAB, requires_grad=True)
     targets = torch.randint(0, VOCAB, (BATCH, LENGTH))
+    weights = torch.randn(BATCH, LENGTH)  # a loss's per-token weights: every position gets a gradient
     before = _rss_mb()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+
+    def logprobs() -> torch.Tensor:
         if variant == "naive":
-            out = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
-        else:
-            out = token_logprobs(logits, targets, chunk=CHUNK)
+            return torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+        return token_logprobs(logits, targets, chunk=CHUNK)
+
+    forward_times, times = [], []
+    with torch.no_grad():  # the forward pass alone first: the process's peak only grows
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = logprobs()
+            forward_times.append(time.perf_counter() - t0)
+            del out
+    forward_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    for _ in range(repeats):
+        logits.grad = None
+        t0 = time.perf_counter()
+        out = logprobs()
+        (out * weights).sum().backward()
         times.append(time.perf_counter() - t0)
-        checksum = float(out.detach().sum())
+        checksum = float(out.detach().sum()) + float(logits.grad[0, :8].sum())
         del out
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    return {"peak_mb": peak - before, "time_s": min(times), "checksum": checksum}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"peak_mb": peak - before, "time_s": min(times), "forward_peak_mb": forward_peak - before,
+            "forward_time_s": min(forward_times), "checksum": checksum}
 
 
 def run_variant(variant: str, repeats: int) -> dict:
@@ -76,6 +95,9 @@ def main() -> None:
         "naive_peak_mb": naive["peak_mb"], "chunked_peak_mb": chunked["peak_mb"],
         "naive_time_s": naive["time_s"], "chunked_time_s": chunked["time_s"],
         "peak_ratio": chunked["peak_mb"] / naive["peak_mb"], "time_ratio": chunked["time_s"] / naive["time_s"],
+        "forward_naive_peak_mb": naive["forward_peak_mb"], "forward_chunked_peak_mb": chunked["forward_peak_mb"],
+        "forward_peak_ratio": chunked["forward_peak_mb"] / naive["forward_peak_mb"],
+        "forward_time_ratio": chunked["forward_time_s"] / naive["forward_time_s"],
     }
     for key, value in results.items():
         print(f"{key:<18}{value:>12.3f}")

@@ -54,16 +54,22 @@ def schedule_overrides(name: str, eta: int) -> list[str]:
     return SCHEDULES.get(name, [f"queue.max_staleness={eta}", "queue.admission='continuous'"])
 
 
+SYNC_STEPS = 10  # measured steps of sync and one-step in the sim: each is as long as its longest response
+
+
 def pacing(name: str, eta: int, window_s: float, steps: int | None = None) -> tuple[int, list[str]]:
     """Warm-up steps and the run length: a synchronous step lasts as long as its longest response, so
-    it needs fewer, longer steps than the streaming schedules to fill the same window. With `steps`,
-    every schedule measures that many steps after its warm-up (the torch engine, whose steps are short)."""
-    warmup = {"sync": 1, "one_step": 2}.get(name, 3 + min(eta, 8))
+    it needs fewer, longer steps than the streaming schedules to fill the same window (with 4, the
+    sampling of 128 response lengths alone moved async ÷ sync by ±0.7). With `steps` (the torch engine,
+    whose policy learns as it is measured, so response lengths move), every schedule measures the same
+    steps: that many after the streaming schedules' warm-up."""
+    streaming_warmup = 3 + min(eta, 8)
     if steps is not None:
-        return warmup, [f"run.steps={warmup + steps}", "run.time_limit_s=900"]
+        return streaming_warmup, [f"run.steps={streaming_warmup + steps}", "run.time_limit_s=900"]
     if name in ("sync", "one_step"):
-        return warmup, [f"run.steps={warmup + 4}", "run.time_limit_s=300"]
-    return warmup, ["run.steps=100000", f"run.time_limit_s={window_s + 6 + 0.8 * warmup}"]
+        warmup = {"sync": 1, "one_step": 2}[name]
+        return warmup, [f"run.steps={warmup + SYNC_STEPS}", "run.time_limit_s=300"]
+    return streaming_warmup, ["run.steps=100000", f"run.time_limit_s={window_s + 6 + 0.8 * streaming_warmup}"]
 
 
 class Launcher:

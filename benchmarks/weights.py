@@ -4,7 +4,8 @@
 
 For each size and producer count, in the same run:
   publish_fetch_s  the trainer's path (`WeightPublisher`: put once, announce to the weights actor, offer to
-                   every subscribed producer) until every producer has them staged — the real path
+                   every subscribed producer) until every producer has them in its process (fetched, before
+                   its copy into the standby model, which `ready_s` includes) — the real path
   put_get_s        one `ray.put` of the same bytes and one `ray.get` in another process (the limit)
   fanout_s         one `ray.put` and one call to each of as many bare reader processes as there are producers,
                    each reading it: the least it costs to reach that many processes on this machine

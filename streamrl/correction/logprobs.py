@@ -8,6 +8,9 @@ is kept. Gradients flow through each chunk, so memory in the backward pass is bo
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 import torch
 
 
@@ -15,37 +18,48 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     """log p(target) = logit[target] - logsumexp(logits), with a chunked backward.
 
     The backward needs softmax(logits) one chunk at a time: d/dlogits = onehot(target) - softmax.
-    Autograd through a plain loop would keep every chunk's float32 softmax alive until backward.
+    Autograd through a plain loop would keep every chunk's float32 softmax alive until backward. Chunks
+    are views of the logits as given: the trainer's `logits[:, :-1]` is not contiguous, and flattening
+    it (`reshape(-1, V)`) copied all of it, in the forward pass and again in the backward.
     """
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk: int, temperature: float) -> torch.Tensor:
-        flat_logits = logits.reshape(-1, logits.shape[-1])
-        flat_targets = targets.reshape(-1)
-        out = torch.empty(flat_targets.shape, dtype=torch.float32, device=logits.device)
-        for start in range(0, flat_logits.shape[0], chunk):
-            rows = flat_logits[start:start + chunk].float() / temperature
-            picked = rows.gather(1, flat_targets[start:start + chunk, None]).squeeze(1)
-            out[start:start + chunk] = picked - torch.logsumexp(rows, dim=-1)
+        out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
+        for rows_at in _blocks(targets.shape, chunk):
+            rows = _scaled(logits[rows_at], temperature)
+            picked = rows.gather(1, targets[rows_at][:, None]).squeeze(1)
+            out[rows_at] = picked - torch.logsumexp(rows, dim=-1)
         ctx.save_for_backward(logits, targets)
         ctx.chunk, ctx.temperature = chunk, temperature
-        return out.view(targets.shape)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         logits, targets = ctx.saved_tensors
-        flat_logits = logits.reshape(-1, logits.shape[-1])
-        flat_targets = targets.reshape(-1)
-        flat_grad = grad_out.reshape(-1)
-        grad = torch.empty_like(flat_logits)
-        for start in range(0, flat_logits.shape[0], ctx.chunk):
-            stop = start + ctx.chunk
-            rows = flat_logits[start:stop].float() / ctx.temperature
-            g = flat_grad[start:stop, None].float() / ctx.temperature  # d(logit / T) / d logit = 1 / T
-            block = -torch.softmax(rows, dim=-1) * g
-            block.scatter_add_(1, flat_targets[start:stop, None], g)
-            grad[start:stop] = block.to(grad.dtype)
-        return grad.view_as(logits), None, None, None
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for rows_at in _blocks(targets.shape, ctx.chunk):
+            g = grad_out[rows_at][:, None].float() / ctx.temperature  # d(logit / T) / d logit = 1 / T
+            block = torch.softmax(_scaled(logits[rows_at], ctx.temperature), dim=-1)
+            block.mul_(-g)  # in place: each chunk's [rows, V] is allocated once
+            block.scatter_add_(1, targets[rows_at][:, None], g)
+            grad[rows_at] = block
+        return grad, None, None, None
+
+
+def _blocks(positions: torch.Size, chunk: int) -> Iterator[tuple]:
+    """Index tuples that each select at most `chunk` consecutive positions along the last of `positions`
+    (the logits' dimensions before the vocabulary): a [rows, V] view, never a copy."""
+    *outer, inner = positions
+    for prefix in itertools.product(*(range(n) for n in outer)):
+        for start in range(0, inner, chunk):
+            yield (*prefix, slice(start, start + chunk))
+
+
+def _scaled(rows: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`rows / temperature` in float32, with no copy of float32 rows at temperature 1."""
+    rows = rows.float()
+    return rows if temperature == 1.0 else rows / temperature
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 1024, *,
@@ -59,6 +73,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 102
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if targets.dim() == 0:  # one position
+        return token_logprobs(logits[None], targets[None], chunk, temperature=temperature)[0]
     return _ChunkedTokenLogprobs.apply(logits, targets.long(), chunk, float(temperature))
 
 

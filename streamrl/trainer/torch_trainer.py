@@ -1,7 +1,7 @@
 """The plain-torch backend: a Hugging Face model in this process, stepped by `streamrl.trainer.step`.
 
 ```
- micro-batch rows ─► input ids and attention mask cut to their longest row ─► model ─► logits / T
+ micro-batch rows ─► input ids and attention mask cut to their longest row ─► model ─► logits of 0..w−2 / T
    ─► θ log-probs of tokens 1..w−1 (under autocast to `dtype`; weights and AdamW state stay float32)
 ```
 With `loss.kl_coef > 0` a frozen copy of the initial policy (the run's starting weights, also after a
@@ -11,6 +11,7 @@ the same micro-batches; `trainer.reference_offload` keeps that copy in host memo
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,10 @@ from streamrl.models.hf import autocast, default_device, load_policy
 from streamrl.trainer.learner import ModuleBackend, Trainer
 from streamrl.trainer.step import LossOf
 from streamrl.weights.arrays import state_arrays
+
+
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
 class TorchBackend(ModuleBackend):
@@ -45,9 +50,16 @@ class TorchBackend(ModuleBackend):
     def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                        model: torch.nn.Module | None = None) -> torch.Tensor:
         """[n, w − 1] log-probs of tokens 1..w−1 under `model` (θ by default; right padding: default
-        positions are right)."""
+        positions are right). The logits are computed for positions 0..w−2 only, where the model takes
+        `logits_to_keep` (Hugging Face causal LMs do): sliced from all w, they were a view whose gradient
+        autograd widens into a second [n, w, V] buffer."""
+        model = model or self.model
         with autocast(self.device, self.compute_dtype):
-            logits = (model or self.model)(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+            if _takes_logits_to_keep(model):
+                keep = torch.arange(input_ids.shape[1] - 1, device=input_ids.device)
+                logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits
+            else:
+                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
         return token_logprobs(logits, input_ids[:, 1:], temperature=self.temperature)
 
     def _micro_batch(self, model: torch.nn.Module, batch: PaddedBatch, lengths: np.ndarray,

@@ -300,6 +300,22 @@ def test_a_bf16_trainer_at_a_temperature_divides_its_logits_in_float32_as_the_sa
         torch.testing.assert_close(backend.token_logprobs(ids, mask), sampler, atol=1e-5, rtol=0)
 
 
+def test_the_trainer_computes_logits_only_where_it_needs_them_and_the_log_probs_do_not_change(tiny_model_dir):
+    from streamrl.trainer.torch_trainer import TorchBackend, _takes_logits_to_keep
+
+    backend = TorchBackend(tiny_model_dir, config=TrainerSection(), temperature=0.8)
+    assert _takes_logits_to_keep(backend.model)  # the path below is the one runs take
+    ids = torch.randint(1, 17, (3, 9), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    logits = backend.model(input_ids=ids, attention_mask=mask).logits  # every position
+    expected = torch.log_softmax(logits[:, :-1] / 0.8, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    got = backend.token_logprobs(ids, mask)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), backend.model.lm_head.weight)
+    (grad,) = torch.autograd.grad(got.sum(), backend.model.lm_head.weight)
+    torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)
+
+
 def test_a_stale_only_batch_reports_no_mismatch(tiny_model_dir):
     queue = ReplayQueue(QueueConfig(group_size=4, groups_per_step=4, max_in_flight=64))
     t = trainer(tiny_model_dir)
