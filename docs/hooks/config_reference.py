@@ -79,7 +79,7 @@ def reference() -> str:
 
     out: list[str] = []
     section = None
-    run_defaults = _flat(RunConfig().model_dump(mode="json"))  # a section's defaults in a run may differ from its class's
+    run_defaults = _flat(RunConfig().model_dump(mode="json"))  # a run's section defaults may differ from its class's
     for dotted, kind, default, description in fields(RunConfig):
         default = json.dumps(run_defaults[dotted]) if dotted in run_defaults else default
         head = dotted.split(".")[0]

@@ -163,6 +163,25 @@ def wait_for_fail_point(proc, directory, name, timeout=90):
         time.sleep(0.1)
 
 
+def launch_held_at(tmp_path, name, point, *extra):
+    """A launcher joining the tests' Ray, returned once it holds fail point `point` (NAME=sleep:S...)."""
+    directory = tmp_path / "failpoints"
+    directory.mkdir()
+    proc = launch_joining(tmp_path, name, *extra, env={failpoints.ENV_SPEC: point, failpoints.ENV_DIR: str(directory)})
+    wait_for_fail_point(proc, directory, point.partition("=")[0])
+    return proc
+
+
+def signal_and_wait(proc, signum):
+    """Ctrl-C as a terminal sends it (to the whole foreground group), or SIGTERM as a scheduler does; the
+    launcher's output once it exited."""
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    return proc.communicate(timeout=120)[0]
+
+
 def assert_consistent_final_checkpoint(run_dir):
     checkpoint = run_dir.verified_checkpoint()  # every file matches its checksum
     meta = json.loads((checkpoint / "meta.json").read_text())
@@ -188,16 +207,9 @@ def assert_nothing_left(proc, name):
     ("checkpoint write", "checkpoint.write=sleep:4", signal.SIGTERM),
 ])
 def test_a_signal_in_any_phase_stops_cleanly_with_a_consistent_checkpoint(ray_local, tmp_path, phase, point, signum):
-    directory = tmp_path / "failpoints"
-    directory.mkdir()
     name = "signalled"
-    proc = launch_joining(tmp_path, name, env={failpoints.ENV_SPEC: point, failpoints.ENV_DIR: str(directory)})
-    wait_for_fail_point(proc, directory, point.partition("=")[0])
-    if signum == signal.SIGINT:
-        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground group
-    else:
-        proc.send_signal(signal.SIGTERM)  # a scheduler stopping the job
-    output, _ = proc.communicate(timeout=120)
+    proc = launch_held_at(tmp_path, name, point)
+    output = signal_and_wait(proc, signum)
     assert proc.returncode == 130, output[-3000:]
     run_dir = RunDir.open(tmp_path / name)
     summary = json.loads((run_dir.path / "summary.json").read_text())
@@ -232,17 +244,9 @@ def test_a_resume_of_a_run_still_going_is_refused_and_changes_nothing(ray_local,
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_while_a_finished_run_stops_waits_for_its_final_checkpoint(ray_local, tmp_path, signum):
     """It aborted the stop as a second Ctrl-C would: no final checkpoint, no summary."""
-    directory = tmp_path / "failpoints"
-    directory.mkdir()
     name = "finishing"
-    proc = launch_joining(tmp_path, name, "run.steps=6", "run.checkpoint_every=4",
-                          env={failpoints.ENV_SPEC: "launch.stop_producers=sleep:4", failpoints.ENV_DIR: str(directory)})
-    wait_for_fail_point(proc, directory, "launch.stop_producers")
-    if signum == signal.SIGINT:
-        os.killpg(proc.pid, signal.SIGINT)
-    else:
-        proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=120)
+    proc = launch_held_at(tmp_path, name, "launch.stop_producers=sleep:4", "run.steps=6", "run.checkpoint_every=4")
+    output = signal_and_wait(proc, signum)
     assert proc.returncode == 0, output[-3000:]
     run_dir = RunDir.open(tmp_path / name)
     assert "the final checkpoint is written first" in (run_dir.path / "logs" / "driver.log").read_text()
@@ -255,16 +259,8 @@ def test_a_signal_while_a_finished_run_stops_waits_for_its_final_checkpoint(ray_
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_start_up_leaves_nothing(ray_local, tmp_path, signum):
-    directory = tmp_path / "failpoints"
-    directory.mkdir()
-    proc = launch_joining(tmp_path, "early", env={failpoints.ENV_SPEC: "launch.start=sleep:4",
-                                                  failpoints.ENV_DIR: str(directory)})
-    wait_for_fail_point(proc, directory, "launch.start")
-    if signum == signal.SIGINT:
-        os.killpg(proc.pid, signal.SIGINT)
-    else:
-        proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=120)
+    proc = launch_held_at(tmp_path, "early", "launch.start=sleep:4")
+    output = signal_and_wait(proc, signum)
     assert proc.returncode == 130 and "nothing was trained" in output, output[-3000:]
     assert not (tmp_path / "early").exists()  # the same command can simply be run again
     assert_nothing_left(proc, "early")

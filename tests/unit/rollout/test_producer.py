@@ -48,6 +48,15 @@ def running(producer):
         assert not thread.is_alive()
 
 
+def errors_once_failed(producer, timeout=30.0):
+    """Run `producer` until a background call fails (or `timeout`); the errors `run` raised."""
+    with running(producer) as errors:
+        deadline = time.time() + timeout
+        while not errors and time.time() < deadline:
+            time.sleep(0.05)
+    return errors
+
+
 @pytest.fixture
 def setup(tiny_model_dir):
     queue = ReplayQueue(QueueConfig(group_size=4, groups_per_step=3, max_staleness=1, max_in_flight=8, vocab_size=17))
@@ -85,10 +94,7 @@ def test_a_failed_reward_stops_the_producer_and_gives_its_prompts_back(tiny_mode
             raise ArithmeticError("reward service down")
 
     producer = make_producer(tiny_model_dir, queue, registry, task=Exploding(2))
-    with running(producer) as errors:
-        deadline = time.time() + 30
-        while not errors and time.time() < deadline:
-            time.sleep(0.05)
+    errors = errors_once_failed(producer)
     assert len(errors) == 1 and "reward service down" in str(errors[0])
     status = queue.status()
     assert status["running"] == 0 and status["committed"] == 0
@@ -178,10 +184,7 @@ def test_a_prompt_the_task_cannot_build_stops_the_producer_and_gives_every_ticke
             return super().prompt(prompt_id)
 
     producer = make_producer(tiny_model_dir, queue, registry, task=Unbuildable(2))
-    with running(producer) as errors:
-        deadline = time.time() + 30
-        while not errors and time.time() < deadline:
-            time.sleep(0.05)
+    errors = errors_once_failed(producer)
     assert len(errors) == 1 and "tokenizes to nothing" in str(errors[0])
     assert accounted_for(queue) and 1 in queue.returned_prompts()
 
@@ -202,10 +205,7 @@ def test_a_failure_after_a_commit_gives_back_every_batch_still_waiting(tiny_mode
     monkeypatch.setenv(failpoints.ENV_DIR, str(tmp_path))
     monkeypatch.setattr(failpoints, "_hits", {})
     producer = make_producer(tiny_model_dir, queue, registry)
-    with running(producer) as errors:
-        deadline = time.time() + 30
-        while not errors and time.time() < deadline:
-            time.sleep(0.05)
+    errors = errors_once_failed(producer)
     assert len(errors) == 1 and isinstance(errors[0], failpoints.FailPointError)
     assert queue.status()["committed"] >= 2 and accounted_for(queue)
 
