@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from harness.synthetic import synthetic_batch
 from streamrl.buffer.actor import NAMESPACE, create_queue_actor, fetch_table
 from streamrl.buffer.config import QueueConfig
+from streamrl.runtime.clients import RemoteQueue
 from streamrl.weights.actor import WeightsActor
 
 MB = 2**20
@@ -133,15 +134,14 @@ class SoakConfig(BaseModel):
 
 
 class SoakProducer:
-    """Admit → build a valid batch for the tickets → commit, timing each call; weights now and then.
-    It commits by value (`QueueActor.commit`: the batch an argument, `ray.put` again by the queue), not
-    through the producers' `RemoteQueue` (the queue takes the batch from the producer's outbox as the
-    return value of its own call): on that path small batches live in the queue actor's own memory, not
-    the object store, and a 120 s soak on it found that memory growing ~34 MB/min (docs/benchmarks.md)."""
+    """Admit → build a valid batch for the tickets → commit, timing each call; weights now and then. It
+    admits and commits through the producers' own client (`RemoteQueue`: a lease on every admission, the
+    batch taken from this actor's outbox by the queue), so the soak loads the path runs use."""
 
     def __init__(self, producer_id: int, queue: ray.actor.ActorHandle, weights: ray.actor.ActorHandle,
                  config: dict[str, Any]):
-        self.id, self.queue, self.weights = producer_id, queue, weights
+        self.id, self.weights = producer_id, weights
+        self.client = RemoteQueue(queue, producer_id)
         self.cfg = SoakConfig(**config)
         self.rng = np.random.default_rng([self.cfg.seed, producer_id])
         self.version: int | None = None
@@ -149,6 +149,9 @@ class SoakProducer:
 
     def ready(self) -> int:
         return os.getpid()
+
+    def take_batch(self, key: int):
+        return self.client.outbox.take(key)  # the queue actor fetching a committed batch
 
     def _fetch_weights(self, timeout: float) -> bool:
         got = ray.get(self.weights.acquire.remote(self.id, self.version, timeout))
@@ -169,8 +172,8 @@ class SoakProducer:
                     fetches += self._fetch_weights(timeout=0.0 if self.version is not None else 30.0)
                     next_fetch = time.monotonic() + cfg.weights_every_s
                 started = time.perf_counter()
-                adm = ray.get(self.queue.admit.remote(self.id, cfg.groups_per_batch, self.version,
-                                                      cfg.admit_timeout_s))
+                adm = self.client.admit(self.id, cfg.groups_per_batch, weights_version=self.version,
+                                        timeout=cfg.admit_timeout_s)
                 if not adm.tickets:
                     blocked[adm.blocked_by] += 1
                     blocked_s[adm.blocked_by] += time.perf_counter() - started
@@ -183,7 +186,7 @@ class SoakProducer:
                 batch = synthetic_batch(adm.tickets, cfg.group_size, version=self.version,
                                         prompt_len=cfg.prompt_len, response_len=cfg.response_len, rng=self.rng)
                 started = time.perf_counter()
-                committed += ray.get(self.queue.commit.remote(batch))
+                committed += self.client.commit(batch)
                 commit_ms.append((time.perf_counter() - started) * 1e3)
         finally:
             self.held = None
@@ -362,7 +365,7 @@ def run_soak(**knobs: Any) -> dict[str, Any]:
         actors.append(weights)
         consumer = ray.remote(num_cpus=0)(SoakConsumer).remote(queue, weights, cfg.model_dump())
         actors.append(consumer)
-        producer_cls = ray.remote(num_cpus=0)(SoakProducer)
+        producer_cls = ray.remote(num_cpus=0, max_concurrency=2)(SoakProducer)  # its run, and the queue's take
         producers = [producer_cls.remote(i, queue, weights, cfg.model_dump()) for i in range(cfg.producers)]
         actors += producers
         ray.get(consumer.publish_first.remote())
