@@ -56,6 +56,8 @@ class ReverseDigits:
         if not 1 <= digits <= 12:
             raise ValueError(f"digits must be in [1, 12], got {digits}")
         self.digits, self.seed, self.vocab = digits, seed, CharVocab()
+        self._held_out: list[int] = []  # found so far, in increasing order (`eval_numbers`)
+        self._next_candidate = 0
 
     def is_held_out(self, number: int) -> bool:
         # A fixed multiplicative hash: the split does not depend on the seed or on how prompts are drawn.
@@ -82,12 +84,16 @@ class ReverseDigits:
     def score(self, number: int, response_ids: Sequence[int]) -> float:
         return grade(self.target(number), response_ids)
 
-    @functools.cached_property
-    def _held_out(self) -> list[int]:
-        return [n for n in range(10**self.digits) if self.is_held_out(n)]
-
-    def eval_numbers(self) -> list[int]:
-        return list(self._held_out)
+    def eval_numbers(self, limit: int | None = None) -> list[int]:
+        """The first `limit` held-out numbers in increasing order (all of them with None). Found lazily:
+        at 12 digits there are 10^11 of them, and an evaluation asks for a few hundred."""
+        while limit is None or len(self._held_out) < limit:
+            if self._next_candidate >= 10**self.digits:
+                break
+            n, self._next_candidate = self._next_candidate, self._next_candidate + 1
+            if self.is_held_out(n):
+                self._held_out.append(n)
+        return self._held_out[:limit]
 
     # ---- the Task interface (streamrl.tasks.Task) ----------------------------------------------------
     stop_token_ids = (EOS,)
@@ -96,10 +102,10 @@ class ReverseDigits:
         return self.score(self.number(prompt_id), response_ids)
 
     def eval_prompts(self, limit: int | None = None) -> list[list[int]]:
-        return [self.prompt_ids(n) for n in self.eval_numbers()[:limit]]
+        return [self.prompt_ids(n) for n in self.eval_numbers(limit)]
 
     def eval_reward(self, index: int, response_ids: Sequence[int]) -> float:
-        return self.score(self._held_out[index], response_ids)
+        return self.score(self.eval_numbers(index + 1)[index], response_ids)
 
     def max_new_tokens(self) -> int:
         return self.digits + 2

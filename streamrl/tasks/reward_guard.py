@@ -25,6 +25,7 @@ hang is not cut (the timeout is not enforced) and a crash of the interpreter tak
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import math
@@ -66,6 +67,14 @@ class RewardFailure:
 
 def _short(text: str) -> str:
     return text if len(text) <= _MESSAGE_CHARS else text[:_MESSAGE_CHARS - 3] + "..."
+
+
+def _shown(value: Any) -> str:
+    """A returned value for a failure message; a user type's repr may itself raise."""
+    try:
+        return repr(value)
+    except Exception as exc:  # noqa: BLE001 -- the message must not become a second failure
+        return f"<{type(value).__name__} whose repr raised {type(exc).__name__}>"
 
 
 def _describe_exception(exc: BaseException) -> str:
@@ -117,11 +126,14 @@ def _number(value: Any) -> Outcome:
         return "none", "returned None"
     # bools, ints, numpy scalars and one-element tensors convert; a string that happens to parse does not
     if isinstance(value, str | bytes) or not hasattr(value, "__float__"):
-        return "not_a_number", _short(f"returned {type(value).__name__}, not a number: {value!r}")
+        return "not_a_number", _short(f"returned {type(value).__name__}, not a number: {_shown(value)}")
     try:
         return "value", float(value)
-    except (TypeError, ValueError) as exc:
-        return "not_a_number", _short(f"returned {type(value).__name__}, not a number: {exc}")
+    except OverflowError:  # an int beyond float's range (10**400)
+        return "out_of_range", f"returned {type(value).__name__} too large for a float"  # its repr may not exist
+    except Exception as exc:  # noqa: BLE001 -- a user type's __float__ may raise anything: this sample's failure
+        return "not_a_number", _short(f"returned {type(value).__name__}, not a number: "
+                                      f"{_describe_exception(exc)}")
 
 
 def judge(value: float, low: float, high: float) -> Outcome:
@@ -146,7 +158,8 @@ class InlineCaller:
         self.fn = fn
 
     def call(self, completion: str | list[str], row: dict[str, Any]) -> Outcome | list[Outcome]:
-        return call_reward(self.fn, completion, row)
+        # A copy, as a worker process gets one: a function that changes its row must not change the task's.
+        return call_reward(self.fn, completion, copy.deepcopy(row))
 
     def close(self) -> None:
         pass

@@ -26,15 +26,31 @@ def reward(completion, row):
         time.sleep(600)
     if completion == "exit":
         os._exit(3)
+    if completion == "take":
+        return float(len(row.pop("answer")))  # changes the row it was given
+    if completion == "huge":
+        return 10**400  # an int no float holds
+    if completion == "weird":
+        return Weird()
     return {"nan": math.nan, "inf": -math.inf, "none": None, "text": "1.0", "big": 1e30,
             "list": [1.0], "true": True}.get(completion, float(len(completion)))
+
+
+class Weird:
+    def __float__(self):
+        raise RuntimeError("cannot convert")
+
+    def __repr__(self):
+        raise RuntimeError("no repr either")
 '''
 
 FAILURES = [("raise", "raised", "KeyError: 'answer' (at guard_rewards.py:7)"), ("nan", "nan", "returned nan"),
             ("inf", "nan", "returned -inf"), ("none", "none", "returned None"),
             ("text", "not_a_number", "returned str, not a number: '1.0'"),
             ("list", "not_a_number", "returned list, not a number"),
-            ("big", "out_of_range", "returned 1e+30, outside [-10, 10]")]
+            ("big", "out_of_range", "returned 1e+30, outside [-10, 10]"),
+            ("huge", "out_of_range", "returned int too large for a float"),
+            ("weird", "not_a_number", "returned Weird, not a number: RuntimeError: cannot convert")]
 
 
 @pytest.fixture
@@ -65,15 +81,20 @@ def wait_gone(pid: int, within_s: float) -> bool:
 
 @pytest.mark.parametrize("isolation", ["process", "inline"])
 def test_each_failed_reward_gets_the_fallback_is_recorded_and_the_next_call_works(rewards, isolation):
-    guard = RewardGuard("guard_rewards:reward", rewards, isolation=isolation, low=-10, high=10, fallback=-0.5)
+    guard = RewardGuard("guard_rewards:reward", rewards, isolation=isolation, low=-10, high=10, fallback=-0.5,
+                        keep=len(FAILURES))
     try:
         for completion, _, _ in FAILURES:
             assert guard(completion, {}) == -0.5
             assert guard("ok", {}) == 2.0
         assert guard("true", {}) == 1.0 and guard("x" * 10, {}) == 10.0  # a bool is a number; bounds inclusive
-        assert guard.counts == {"raised": 1, "nan": 2, "none": 1, "not_a_number": 2, "out_of_range": 1}
+        assert guard.counts == {"raised": 1, "nan": 2, "none": 1, "not_a_number": 3, "out_of_range": 2}
         for failure, (_, kind, message) in zip(guard.recent, FAILURES, strict=True):
             assert failure.kind == kind and failure.message.startswith(message)
+        if isolation == "process":
+            assert guard.caller.starts == 1  # none of these failures cost the worker its life
+        row = {"answer": "abc"}
+        assert guard("take", row) == 3.0 and guard("take", row) == 3.0 and row == {"answer": "abc"}
     finally:
         guard.close()
 

@@ -1,3 +1,5 @@
+import time
+
 import pytest
 
 from streamrl.tasks.reverse import BOS, EOS, CharVocab, ReverseDigits
@@ -32,3 +34,20 @@ def test_held_out_numbers_never_train_and_prompts_are_deterministic():
     assert task.prompt(42)[0] == BOS and task.vocab.decode(task.prompt(42)).endswith(">")
     with pytest.raises(ValueError, match="digits must be in"):
         ReverseDigits(0)
+
+
+def test_the_held_out_set_is_found_lazily_in_the_same_order_however_it_is_asked_for():
+    every = [n for n in range(1000) if ReverseDigits(3).is_held_out(n)]
+    task = ReverseDigits(3)
+    assert task.eval_numbers(5) == every[:5]  # a prefix first, then the rest: one order
+    assert task.eval_numbers() == every and task.eval_numbers(10**6) == every
+    enc = task.vocab.encode
+    assert task.eval_reward(7, enc(f"{every[7]:03d}"[::-1]) + [EOS]) == 1.0
+
+    started = time.perf_counter()
+    big = ReverseDigits(12)  # 10^11 held-out numbers: an evaluation of 256 must not list them all
+    prompts = big.eval_prompts(256)
+    assert len(prompts) == 256 and time.perf_counter() - started < 1.0
+    numbers = big.eval_numbers(256)
+    assert numbers == sorted(numbers) and all(big.is_held_out(n) for n in numbers)
+    assert big.eval_reward(255, big.vocab.encode(f"{numbers[255]:012d}"[::-1]) + [EOS]) == 1.0
