@@ -250,7 +250,8 @@ class TrainerSection(_Section):
     """With loss.kl_coef > 0: keep the reference policy (a frozen copy of the initial weights) in host
     memory between steps, moved to the trainer's GPU for its forward pass only."""
     get_timeout_s: float = Field(300.0, gt=0)
-    """The trainer gives up (and the run fails) when no batch arrives for this long."""
+    """The trainer gives up when no batch arrives for this long (not counted while the operator has paused
+    admission): the run stops with a checkpoint and fails."""
     diagnose_every: int = Field(0, ge=0)
     """Every this many steps, measure how the step's data moves the policy (`streamrl/trainer/diagnostics.py`):
     the policy gradients of the batch's older and newer halves and their cosine, and KL(before → after

@@ -30,7 +30,7 @@ import ray
 
 from streamrl import failpoints, logs
 from streamrl.buffer.actor import NAMESPACE, fetch_table, get_queue_actor
-from streamrl.buffer.queue import QueueClosed
+from streamrl.buffer.queue import OPERATOR_HOLD, QueueClosed
 from streamrl.config import RunConfig
 from streamrl.engine.base import accept_offer
 from streamrl.rollout.producer import ProducerCounters
@@ -212,8 +212,13 @@ class TrainerShell:
             if self._cancel.is_set():
                 return None
             if time.perf_counter() > deadline:
-                raise TimeoutError(f"no batch of {self.groups_per_step} groups arrived within "
-                                   f"{self.get_timeout_s} s (are producers running, or is admission paused?)")
+                if OPERATOR_HOLD in ray.get(self.queue.status.remote())["holds"]:
+                    # Waiting is what the operator asked for: the timeout is for producers that deliver nothing.
+                    deadline = time.perf_counter() + self.get_timeout_s
+                    log.info("admission is paused by the operator: the trainer waits for `streamrl admission resume`")
+                    continue
+                raise NoBatchError(f"no batch of {self.groups_per_step} groups arrived within "
+                                   f"{self.get_timeout_s} s (trainer.get_timeout_s): are the producers generating?")
             groups = ray.get(self.queue.get.remote(None, 0.5))
         if groups.version != self.trainer.version:
             raise RuntimeError(f"the queue is at version {groups.version}, the trainer at {self.trainer.version}")
@@ -273,6 +278,11 @@ class TrainerShell:
                 self.trainer.offload()
         finally:
             ray.get([p.resume_gpu.remote() for p in producers])
+
+
+class NoBatchError(TimeoutError):
+    """The trainer waited `trainer.get_timeout_s` for a step's groups and none came, admission not paused by
+    the operator: nothing in the trainer changed, so the run can stop with a checkpoint."""
 
 
 class TrainerActor(TrainerShell):

@@ -32,7 +32,7 @@ from streamrl import failpoints, logs
 from streamrl.buffer.actor import NAMESPACE, create_queue_actor
 from streamrl.buffer.auto import AutoStaleness
 from streamrl.config import ConfigError, RunConfig
-from streamrl.runtime.actors import StepResult, TrainerActor
+from streamrl.runtime.actors import NoBatchError, StepResult, TrainerActor
 from streamrl.runtime.clients import create_actor
 from streamrl.runtime.connect import RayConnectError, join_cluster, start_local
 from streamrl.runtime.interrupts import interrupts_deferred
@@ -198,13 +198,18 @@ class Run:
             self._view.print(text)
 
     # ---- the loop ------------------------------------------------------------------------------------------
-    def _await(self, ref: ray.ObjectRef) -> Any:
+    def _await(self, ref: ray.ObjectRef, stop: threading.Event | None = None) -> Any:
         """Wait for a trainer call and, at the same time, for any producer's run to end: a producer that
-        died is replaced at once (however fast the trainer's calls return), one that failed fails the run."""
+        died is replaced at once (however fast the trainer's calls return), one that failed fails the run.
+        `stop` set while a step still waits for its groups (admission paused, say) cancels that step."""
+        cancelled = False
         while True:
             runs = self.producers.runs if self.producers is not None else []
             # a bounded wait, so that Ctrl-C reaches the driver between waits
             ready, _ = ray.wait([ref, *runs], num_returns=1, timeout=1.0)
+            if stop is not None and stop.is_set() and not cancelled:
+                self.trainer.cancel_step.remote()  # a step already training finishes and is recorded
+                cancelled = True
             if not ready:
                 continue
             if ready[0] == ref:
@@ -253,9 +258,12 @@ class Run:
                 if self.stopped_by is not None:
                     return
                 self._pending = self.trainer.step.remote()  # cleared by `_record` once the step is recorded
-            result = self._await(self._pending)
+            result = self._await(self._pending, stop)
             if result is None:
-                raise RuntimeError("the trainer's step was cancelled while the run was training")
+                if not stop.is_set():
+                    raise RuntimeError("the trainer's step was cancelled while the run was training")
+                self._pending, self.stopped_by = None, "stopped"
+                return
             now, step = time.perf_counter(), result.version
             eval_due = cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps
             checkpoint_due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps
@@ -383,6 +391,11 @@ class Run:
                  self.run_dir.path / SUMMARY_FILE)
         return summary
 
+    def finish_without_step(self, view: ProgressView, stopped_by: str) -> dict[str, Any]:
+        """`finish` after the pending step failed without changing the trainer (`NoBatchError`)."""
+        self._pending, self.stopped_by = None, stopped_by
+        return self.finish(view)
+
     def teardown(self) -> None:
         if self._wandb is not None:
             import wandb
@@ -479,9 +492,16 @@ def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
             view.print("interrupted: stopping producers and writing a checkpoint (Ctrl-C again to abort)")
         except ray.exceptions.RayError as exc:
             failed = run.failure(exc)
-            if failed is None:
+            if failed is not None:
+                raise failed from exc
+            cause = getattr(exc, "cause", None)
+            if not isinstance(cause, NoBatchError):
                 raise
-            raise failed from exc
+            # Every actor is alive and the trainer unchanged: stop with a final checkpoint, then say why.
+            view.print(f"{first_line(cause)}: stopping the run with a checkpoint")
+            run.finish_without_step(view, "no_batch")
+            raise RunFailed(f"{first_line(cause)}; the run stopped with a checkpoint at step {run.step}. "
+                            f"To go on: streamrl launch --resume {run_dir.path}") from exc
         if run.stopped_by == "interrupted":
             return run.finish(view)  # a Ctrl-C now is the second: it aborts
         # The run is over and stops by itself: a first Ctrl-C or SIGTERM while it does (producers finishing,

@@ -235,11 +235,14 @@ def test_resume_continues_without_losing_or_repeating_a_group(ray_local, tmp_pat
 
 
 def test_admission_pause_stops_admitted_and_resume_restarts_it(ray_local, tmp_path, capsys):
+    """A pause longer than `trainer.get_timeout_s` is waited out (the timeout is for producers that deliver
+    nothing), and a stop while paused ends the run at once, with the operator's hold kept."""
     stop = threading.Event()
     outcome = {}
 
     def target():
-        outcome["summary"], _ = run_tiny(tmp_path, "paused", "run.steps=100000", "producers.count=1", stop=stop)
+        outcome["summary"], _ = run_tiny(tmp_path, "paused", "run.steps=100000", "producers.count=1",
+                                         "trainer.get_timeout_s=1.5", stop=stop)
 
     thread = threading.Thread(target=target)
     thread.start()
@@ -259,13 +262,53 @@ def test_admission_pause_stops_admitted_and_resume_restarts_it(ray_local, tmp_pa
         before = admitted()
         time.sleep(2.0)
         assert admitted() == before
+        assert thread.is_alive()  # paused past the trainer's 1.5 s timeout: still running
         assert main(["admission", "resume", "--run", "paused"]) == 0
         time.sleep(2.0)
         assert admitted() > before
+        assert main(["admission", "pause", "--run", "paused"]) == 0
+        time.sleep(3.0)  # the queue drains: the trainer's step waits for groups that cannot come
     finally:
         stop.set()
         thread.join(timeout=120)
-    assert outcome["summary"]["stopped_by"] == "stopped" and not outcome["summary"]["queue"]["paused"]
+    summary = outcome["summary"]
+    assert summary["stopped_by"] == "stopped" and summary["queue"]["holds"] == ["operator"]
+
+
+def test_a_trainer_that_gets_no_groups_stops_the_run_with_a_checkpoint_and_one_line(ray_local, tmp_path):
+    """Producers that deliver nothing (here: admission held by something other than the operator) make
+    the trainer's step time out; every actor is alive and the trainer unchanged, so the run ends with a
+    final checkpoint and summary and a one-line error saying how to go on."""
+    from streamrl.buffer.actor import get_queue_actor
+    from streamrl.runtime.launch import RunFailed
+
+    config, run_dir, checkpoint = prepare(None, tiny(tmp_path, "starved", "run.steps=100000",
+                                                     "trainer.get_timeout_s=1.5", "run.checkpoint_every=0"))
+    outcome = {}
+
+    def target():
+        try:
+            launch(config, run_dir, checkpoint)
+        except RunFailed as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    try:
+        deadline = time.time() + 120
+        while not (run_dir.path / "metrics.jsonl").exists() or not (run_dir.path / "metrics.jsonl").read_text():
+            assert time.time() < deadline and thread.is_alive(), "the run never trained"
+            time.sleep(0.2)
+        ray.get(get_queue_actor("starved").pause.remote("test"))
+    finally:
+        thread.join(timeout=120)
+    assert not thread.is_alive()
+    message = str(outcome["error"])
+    assert "no batch of" in message and "--resume" in message and "\n" not in message
+    summary = json.loads((run_dir.path / "summary.json").read_text())
+    assert summary["stopped_by"] == "no_batch"
+    lines = (run_dir.path / "metrics.jsonl").read_text().splitlines()
+    assert run_dir.latest_checkpoint().name.endswith(f"{len(lines):06d}")  # every recorded step kept
 
 
 def test_an_operator_pause_while_the_run_shuts_down_is_kept_in_the_checkpoint(ray_local, tmp_path, monkeypatch):
