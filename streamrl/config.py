@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from streamrl.buffer.config import QueueConfig
 from streamrl.correction.config import LossConfig
@@ -42,7 +42,17 @@ class RunSection(_Section):
     steps: int = Field(900, ge=1)
     """Trainer steps (optimizer updates) to take; the run also stops at `time_limit_s`."""
     time_limit_s: float | None = Field(200.0, gt=0)
-    """Stop training after this many seconds (Ray and model start-up not counted); None: no limit."""
+    """Stop training after this many seconds (Ray and model start-up not counted); 0 or null: no limit."""
+
+    @field_validator("time_limit_s", mode="before")
+    @classmethod
+    def _zero_is_no_limit(cls, value: Any) -> Any:
+        return None if value == 0 and not isinstance(value, bool) else value
+
+    @field_serializer("time_limit_s")
+    def _no_limit_as_zero(self, value: float | None) -> float:
+        # Written as 0, which reads back as None: TOML has no null, and left out it would read back as 200 s.
+        return 0.0 if value is None else value
     eval_every: int = Field(50, ge=0)
     """Evaluate on the held-out split every this many steps, and at the start and end (0: start and end only)."""
     checkpoint_every: int = Field(200, ge=0)

@@ -274,7 +274,11 @@ class Trainer:
         """Restore the optimizer, version and schedule position saved next to the model this trainer
         was built from."""
         directory = Path(directory)
-        self.backend.optimizer.load_state_dict(torch.load(directory / self.backend.optimizer_file, weights_only=True))
+        optimizer = self.backend.optimizer
+        optimizer.load_state_dict(torch.load(directory / self.backend.optimizer_file, weights_only=True))
+        # The settings configured now, not those saved: a resume may change them (lr is set every step).
+        for group in optimizer.param_groups:
+            group["betas"], group["weight_decay"] = tuple(self.config.betas), self.config.weight_decay
         saved = json.loads((directory / "trainer.json").read_text())
         self.version = saved["version"]
         # checkpoints written before schedules: every step took `minibatches` optimizer steps

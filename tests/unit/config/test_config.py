@@ -28,6 +28,15 @@ def test_toml_file_plus_overrides_and_round_trip(tmp_path):
     assert load_config(again) == config
 
 
+@pytest.mark.parametrize("no_limit", ["null", "0"])
+def test_no_time_limit_survives_the_round_trip_through_config_toml(tmp_path, no_limit):
+    config = load_config(overrides=[f"run.time_limit_s={no_limit}"])
+    assert config.run.time_limit_s is None
+    saved = tmp_path / "config.toml"
+    saved.write_text(dump_config(config))  # TOML has no null: left out, it read back as the 200 s default
+    assert load_config(saved).run.time_limit_s is None and load_config(saved) == config
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["queue.max_staleness=-1"], r"queue\.max_staleness: Input should be an integer >= 0, or \"auto\" \(got -1\)"),
     (["trainer.lr=fast"], r"trainer\.lr: .*valid number.*\(got 'fast'\)"),

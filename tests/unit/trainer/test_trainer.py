@@ -80,6 +80,18 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_version(tiny_model
         torch.testing.assert_close(a, b)
 
 
+def test_a_resume_trains_with_the_optimizer_settings_configured_not_those_saved(tiny_model_dir, tmp_path):
+    t = trainer(tiny_model_dir)
+    t.train(batch(seed=1))
+    t.save(tmp_path)
+    changed = TorchTrainer(tmp_path / "model", trainer=TrainerSection(weight_decay=0.5, betas=(0.5, 0.6)),
+                           loss=LossConfig(), group_size=4)
+    changed.load_optimizer(tmp_path)
+    for group in changed.backend.optimizer.param_groups:
+        assert group["weight_decay"] == 0.5 and tuple(group["betas"]) == (0.5, 0.6)
+    assert changed.backend.optimizer.state  # the moments themselves are the checkpoint's
+
+
 def test_a_non_finite_gradient_skips_the_step_and_says_so(tiny_model_dir):
     t = trainer(tiny_model_dir)
     before = [p.detach().clone() for p in t.backend.model.parameters()]
