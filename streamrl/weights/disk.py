@@ -27,8 +27,13 @@ class DiskWeights:
     def __init__(self, base_model: str | Path, root: str | Path, keep: int = 2):
         self.base, self.root, self.keep = Path(base_model), Path(root), keep
         self.root.mkdir(parents=True, exist_ok=True)
+        for torn in [*self.root.glob("v*.partial"), *self.root.glob("v*.replaced")]:  # a killed writer's
+            shutil.rmtree(torn)
 
     def write(self, version: int, arrays: dict[str, np.ndarray]) -> Path:
+        """Write `version`, replacing one already there: the producer this one replaces (it keeps the
+        producer id, so the directory) or the run before a resume wrote it, and after a resume that
+        rewound, with other weights."""
         target = self.root / f"v{version:08d}"
         partial = target.with_suffix(".partial")
         shutil.rmtree(partial, ignore_errors=True)
@@ -37,8 +42,13 @@ class DiskWeights:
             if (self.base / name).is_file():
                 shutil.copy2(self.base / name, partial / name)
         save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(partial / "model.safetensors"))
+        replaced = target.with_suffix(".replaced")
+        if target.exists():  # a directory is renamed onto only an empty one
+            target.rename(replaced)
         partial.rename(target)  # a server never sees a half-written version
-        for old in sorted(self.root.glob("v*"))[:-self.keep]:
+        if replaced.exists():
+            shutil.rmtree(replaced)
+        for old in sorted(self.root.glob("v" + "[0-9]" * 8))[:-self.keep]:
             shutil.rmtree(old)
         return target
 
