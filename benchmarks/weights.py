@@ -65,8 +65,8 @@ class Subscriber:
         return self.receiver.fetched_at, self.receiver.staged_at
 
     def offer_weights(self, version: int, weights: list) -> None:  # as ProducerActor.offer_weights (torch engine)
-        if self.receiver.offer(version, ray.get(weights[0])):  # accept_offer's rule, without LocalWeights
-            ray.get(self.weights.hold.remote(self.producer_id, version))
+        self.receiver.offer(version, lambda: ray.get(weights[0]),  # as LocalWeights.offer
+                            hold=lambda held: ray.get(self.weights.hold.remote(self.producer_id, held)))
 
     def apply(self) -> float:
         started = time.perf_counter()

@@ -49,10 +49,11 @@ class EngineWeights(Protocol):
         """At a step boundary: switch to newer weights if they are ready. The seconds the switch held up
         generation, or None when nothing changed."""
 
-    def offer(self, version: int, weights: Any) -> bool:
+    def offer(self, version: int, weights: Any, hold: Callable[[int], Any]) -> bool:
         """The trainer hands a version over directly (arrays or `[object reference]`); staged if newer.
-        True when this offer staged it: only then does it count as held (the registry is told, and the
-        long poll no longer waits for it)."""
+        True when this offer staged it. `hold(version)` is called once the version is taken, before it is
+        fetched and staged: only then does it count as held (the registry is told, and the long poll does
+        not fetch it as well)."""
 
     def wait_newer(self, than: int | None, timeout: float) -> bool:
         """Block until weights newer than `than` are ready (True) or `timeout` passes (False)."""
@@ -62,12 +63,9 @@ class EngineWeights(Protocol):
 
 def accept_offer(weights: EngineWeights, version: int, handle: Any, hold: Callable[[int], Any]) -> bool:
     """A version the trainer offered: staged by `weights` if it takes offers and the version is newer,
-    and only then recorded as held (`hold(version)`, the registry's), so that the long poll stops
-    waiting for it. True when taken."""
-    taken = weights.offer(version, handle)
-    if taken:
-        hold(version)
-    return taken
+    and only then recorded as held (`hold(version)`, the registry's, before the copy), so that the long
+    poll does not fetch it too. True when taken."""
+    return weights.offer(version, handle, hold)
 
 
 class Engine(Protocol):

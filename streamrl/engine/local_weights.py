@@ -8,6 +8,7 @@ receiver the weights are fixed (evaluation, tests).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,13 +46,14 @@ class LocalWeights:
         self.version = version
         return time.perf_counter() - started
 
-    def offer(self, version: int, weights: Any) -> bool:
+    def offer(self, version: int, weights: Any, hold: Callable[[int], Any]) -> bool:
         """A version handed to this process directly (arrays, or `[object reference]`): staged if newer
-        (True). A failure stops the producer at its next step (not the caller: the trainer that offered it)."""
+        (True; fetched only then). A failure stops the producer at its next step (not the caller: the
+        trainer that offered it)."""
         if self.receiver is None:
             return False
         try:
-            return self.receiver.offer(version, dict(resolve(weights)))
+            return self.receiver.offer(version, lambda: dict(resolve(weights)), hold)
         except BaseException as exc:
             self.receiver.fail(exc)
             return False

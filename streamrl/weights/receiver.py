@@ -28,8 +28,10 @@ import torch
 
 from streamrl.weights.arrays import load_state_arrays
 
+Arrays = dict[str, np.ndarray]
 # fetch(have, timeout): newer weights than `have`, waiting up to `timeout` seconds for them (a long poll).
-Fetch = Callable[[int | None, float], tuple[int, dict[str, np.ndarray]] | None]
+Fetch = Callable[[int | None, float], tuple[int, Arrays] | None]
+SWAP_WAIT_S = 0.5  # how long a new version waits for the generating thread to switch to the staged one
 
 
 class WeightReceiver:
@@ -44,6 +46,7 @@ class WeightReceiver:
         self._stage_lock = threading.Lock()  # one version staged at a time
         self._standby_version: int | None = None  # version the standby holds once fully written
         self._staged_version = version  # newest version fetched (loaded, pending or in the standby)
+        self._offered = -1  # newest version offered (by an offer or the long poll), staged or on its way
         self.version = version  # version of the model in use
         self.history: list[tuple[float, int]] = []  # (wall time, version) of every switch
         self.fetched_at: float | None = None  # wall time the newest weights arrived in this process
@@ -62,6 +65,8 @@ class WeightReceiver:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._cond:
+            self._cond.notify_all()  # an offer waiting for a switch
         if self._thread is not None:
             self._thread.join(timeout=10)
 
@@ -84,14 +89,31 @@ class WeightReceiver:
         got = self._fetch(self._staged_version, timeout)
         return got is not None and self.offer(*got)
 
-    def offer(self, version: int, arrays: dict[str, np.ndarray]) -> bool:
+    def offer(self, version: int, arrays: Arrays | Callable[[], Arrays],
+              hold: Callable[[int], Any] | None = None) -> bool:
         """Stage `version` if it is newer than what is staged (from the long poll or an offer; thread-safe);
-        True when it was."""
+        True when it was. `arrays` may be a function that fetches them: called only once the version is
+        taken. `hold(version)` is called once it is taken, before it is fetched and copied (the registry's:
+        the long poll need not fetch it too).
+
+        Offers coalesce: one that a newer offer has overtaken while it waited returns at once (False), so a
+        producer slower to copy than the trainer to publish copies the newest version, not each in turn;
+        and a standby staged but not yet switched to is left to the generating thread for a moment
+        (`SWAP_WAIT_S`) before the next version overwrites it."""
+        with self._cond:
+            self._offered = max(self._offered, version)
         with self._stage_lock:  # the poll thread and an offer may bring the same version at once
-            if self._staged_version is not None and version <= self._staged_version:
+            if self._superseded(version):
                 return False
+            if hold is not None:
+                hold(version)
+            arrays = arrays() if callable(arrays) else arrays
             self.fetched_at = time.time()
             if self._standby is not None:
+                with self._cond:  # the generating thread switches at its next decode step: notified by _swap
+                    self._cond.wait_for(self._standby_taken, timeout=SWAP_WAIT_S)
+                if self._superseded(version):
+                    return False
                 with self._standby_lock:  # the generating thread never swaps in a half-written standby
                     load_state_arrays(self._standby, arrays)
                     self._standby_version = version
@@ -102,6 +124,14 @@ class WeightReceiver:
                 self.staged_at = time.time()
                 self._cond.notify_all()
         return True
+
+    def _superseded(self, version: int) -> bool:
+        """Staged already, or a newer version has been offered since (it is on its way)."""
+        return (self._staged_version is not None and version <= self._staged_version) or version < self._offered
+
+    def _standby_taken(self) -> bool:
+        ready = self._standby_version
+        return self._stop.is_set() or ready is None or (self.version is not None and ready <= self.version)
 
     def apply(self, model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
         """The model to generate with from this decode step on, and its version (newer if any is ready)."""
@@ -132,9 +162,11 @@ class WeightReceiver:
             ready, fresh = self._standby_version, self._standby
             self._standby = live  # the old weights become the buffer for the next version
             self._switched(ready)
-            return fresh
         finally:
             self._standby_lock.release()
+        with self._cond:
+            self._cond.notify_all()  # a version waiting to be copied into the standby may go on
+        return fresh
 
     def _switched(self, version: int) -> None:
         self.version = version

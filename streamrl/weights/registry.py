@@ -42,16 +42,21 @@ class WeightRegistry:
         has; a holder the trainer offers versions to directly (`hold` records them) sets `grace_s`: a
         version is answered only once it is that old, so the long poll fetches only what an offer missed."""
         deadline = time.monotonic() + timeout
+        seen_newer: float | None = None  # since when this poll has seen a version newer than the holder's
         with self._lock:
             if have is not None and have in self._handles and have >= self._held.get(holder, -1):
                 self._held[holder] = have
                 self._collect()
-            while not self._answerable(holder, have, grace_s):
+            while True:
+                newer = have is not None and self._newer_than(self._has(holder, have))
+                seen_newer = (seen_newer or time.monotonic()) if newer else None
+                if self._answerable(holder, have, grace_s, seen_newer):
+                    break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
-                if self._newer_than(self._has(holder, have)):  # newer, but an offer may still bring it
-                    remaining = min(remaining, self._latest_at + grace_s - time.monotonic())
+                if seen_newer is not None:  # newer, but an offer may still bring it
+                    remaining = min(remaining, min(self._latest_at, seen_newer) + grace_s - time.monotonic())
                 self._published.wait(max(remaining, 0.0))
             self._held[holder] = self._latest
             self._collect()
@@ -69,10 +74,12 @@ class WeightRegistry:
         held = self._held.get(holder)
         return held if have is None or (held is not None and held > have) else have
 
-    def _answerable(self, holder: int, have: int | None, grace_s: float) -> bool:
+    def _answerable(self, holder: int, have: int | None, grace_s: float, seen_newer: float | None) -> bool:
         if have is None:
             return self._latest is not None  # the first version: at once
-        return self._newer_than(self._has(holder, have)) and time.monotonic() - self._latest_at >= grace_s
+        # The grace counts from the newest publish or from when this poll first saw a newer version,
+        # whichever came first: a trainer that publishes faster than the grace must not hold every answer back.
+        return seen_newer is not None and time.monotonic() - min(self._latest_at, seen_newer) >= grace_s
 
     def _newer_than(self, have: int | None) -> bool:
         return self._latest is not None and (have is None or have < self._latest)

@@ -95,7 +95,7 @@ class SglangWeights:
             paused, self._unreported_pause = self._unreported_pause, None
         return paused
 
-    def offer(self, version: int, weights: Any) -> bool:
+    def offer(self, version: int, weights: Any, hold: Callable[[int], Any]) -> bool:
         """Not taken (False): the servers take each version from this producer's long poll, which answers
         as soon as it is published (a load into a server takes far longer than the hop an offer saves).
         Counting an offer as held would hide that version from the long poll: a producer busy loading

@@ -181,7 +181,7 @@ def test_an_offer_that_cannot_be_staged_stops_the_producer_not_the_trainer(tiny_
     receiver.fetch_now()
     weights = LocalWeights(model, receiver)
     weights.refresh()
-    weights.offer(1, {"model.embed_tokens.weight": np.zeros((2, 2), np.float32)})  # the wrong shape: no raise here
+    weights.offer(1, {"model.embed_tokens.weight": np.zeros((2, 2), np.float32)}, lambda version: None)  # wrong shape
     with pytest.raises(RuntimeError, match="fetching weights failed") as raised:
         weights.refresh()
     assert "does not match the model's" in str(raised.value.__cause__)
@@ -247,3 +247,80 @@ def test_a_version_offered_while_sglang_servers_load_the_one_before_still_reache
         assert weights.version == 2
     finally:
         weights.stop()
+
+
+def test_a_long_poll_answers_within_its_grace_while_the_trainer_publishes_faster_than_that():
+    """The grace lets an offer arrive first; counted from the newest publish only, a trainer publishing
+    every 0.1 s held a 0.5 s grace's answer back for good."""
+    registry = WeightRegistry()
+    registry.publish(1, "v1")
+    publishing = threading.Event()
+
+    def publish_fast():
+        version = 2
+        while not publishing.is_set():
+            registry.publish(version, f"v{version}")
+            version += 1
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=publish_fast)
+    thread.start()
+    try:
+        started = time.monotonic()
+        got = registry.acquire(0, 1, timeout=3.0, grace_s=0.5)
+        took = time.monotonic() - started
+    finally:
+        publishing.set()
+        thread.join()
+    assert got is not None and got[0] > 1 and 0.4 <= took < 1.5, (got, took)
+
+
+def slow_copies(monkeypatch, seconds):
+    import streamrl.weights.receiver as receiver_module
+
+    load = receiver_module.load_state_arrays
+
+    def load_slowly(model, arrays):
+        time.sleep(seconds)
+        load(model, arrays)
+
+    monkeypatch.setattr(receiver_module, "load_state_arrays", load_slowly)
+
+
+def test_offers_overtaken_while_a_slow_copy_runs_are_skipped_and_the_newest_is_switched_to(tiny_model_dir,
+                                                                                           monkeypatch):
+    """A producer slower to copy than the trainer to publish: each queued offer copied its own version in
+    turn, the standby lock free for microseconds between copies, and generation stayed on the first
+    version while the trainer ran ahead. Now the offers a newer one overtook are skipped (not fetched,
+    not copied), the generating thread gets to switch between copies, and each taken version is held
+    (the registry told) before its copy, so the long poll does not fetch it too."""
+    trainer_model, _ = load_policy(tiny_model_dir)
+    live, _ = load_policy(tiny_model_dir)
+    standby, _ = load_policy(tiny_model_dir)
+    receiver = WeightReceiver(lambda have, timeout: None, standby=standby)
+    assert receiver.offer(0, state_arrays(trainer_model))
+    live, version = receiver.apply(live)
+    assert version == 0
+    slow_copies(monkeypatch, 0.3)
+    fetched, held = [], []
+
+    def offer(v):
+        receiver.offer(v, lambda: fetched.append(v) or state_arrays(trainer_model), hold=held.append)
+
+    offers = [threading.Thread(target=offer, args=(v,)) for v in range(1, 9)]
+    for thread in offers:  # one every 0.05 s: six times faster than a copy
+        thread.start()
+        time.sleep(0.05)
+    switched = []
+    deadline = time.monotonic() + 5
+    while any(t.is_alive() for t in offers) and time.monotonic() < deadline:
+        live, version = receiver.apply(live)  # the generating thread's decode steps
+        switched.append(version)
+        time.sleep(0.02)
+    for thread in offers:
+        thread.join()
+    live, version = receiver.apply(live)
+    assert version == 8  # the newest, in the end
+    assert len(fetched) <= 4 and fetched[-1] == 8, fetched  # overtaken offers were not fetched
+    assert held == fetched  # each taken version was held before its copy
+    assert len(set(switched) - {0}) >= 1  # generation moved on while versions kept coming
