@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from harness.benchreport import BASELINES, Target, finish
-from streamrl.runtime.clients import OFFER_GRACE_S, create_actor, remote_fetch
+from streamrl.runtime.clients import OFFER_GRACE_S, RemoteHold, create_actor, remote_fetch
 from streamrl.runtime.connect import start_local
 from streamrl.sim.workload import SimWorkload
 from streamrl.weights.actor import WeightPublisher, WeightsActor
@@ -54,6 +54,7 @@ class Subscriber:
 
         self.model = model()
         self.weights, self.producer_id = weights, producer_id
+        self.hold = RemoteHold(weights, producer_id)
         self.receiver = WeightReceiver(remote_fetch(weights, producer_id, grace_s=OFFER_GRACE_S), poll_s=1.0,
                                        standby=model() if double_buffer else None)
         self.receiver.start()
@@ -65,8 +66,7 @@ class Subscriber:
         return self.receiver.fetched_at, self.receiver.staged_at
 
     def offer_weights(self, version: int, weights: list) -> None:  # as ProducerActor.offer_weights (torch engine)
-        self.receiver.offer(version, lambda: ray.get(weights[0]),  # as LocalWeights.offer
-                            hold=lambda held: ray.get(self.weights.hold.remote(self.producer_id, held)))
+        self.receiver.offer(version, lambda: ray.get(weights[0]), hold=self.hold)  # as LocalWeights.offer
 
     def apply(self) -> float:
         started = time.perf_counter()

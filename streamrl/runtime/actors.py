@@ -35,7 +35,7 @@ from streamrl.config import RunConfig
 from streamrl.engine.base import accept_offer
 from streamrl.rollout.producer import ProducerCounters
 from streamrl.runtime.build import make_engine, make_learner
-from streamrl.runtime.clients import RemoteQueue, actor_name
+from streamrl.runtime.clients import RemoteHold, RemoteQueue, actor_name
 from streamrl.weights.actor import WeightPublisher
 
 if TYPE_CHECKING:  # the type only: the shell needs none of the trainers' modules
@@ -71,6 +71,7 @@ class ProducerActor:
                                         engine=engine, task=task, group_size=cfg.queue.group_size,
                                         max_staleness=cfg.queue.untrainable_after)
         self._stop = threading.Event()
+        self._hold = RemoteHold(self.weights, producer_id)  # called under the engine's staging lock: one at a time
         log.info("producer %s started (pid %s): %s engine, capacity %s sequences, seed %s", producer_id, os.getpid(),
                  cfg.producers.engine, engine.capacity, seed)
 
@@ -103,8 +104,7 @@ class ProducerActor:
     def offer_weights(self, version: int, weights: list[ray.ObjectRef]) -> None:
         """The trainer offering a new version directly (`WeightPublisher`): staged now if newer, and then
         the registry told, so that this producer's long poll does not fetch it again."""
-        accept_offer(self.producer.engine.weights, version, weights,
-                     lambda held: ray.get(self.weights.hold.remote(self.producer.producer_id, held)))
+        accept_offer(self.producer.engine.weights, version, weights, self._hold)
 
     def status(self) -> ProducerStatus:
         engine, task = self.producer.engine, self.producer.task

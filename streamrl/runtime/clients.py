@@ -5,6 +5,7 @@
                              restarted driver find them by name)
  RemoteQueue                 a producer's queue (`streamrl.rollout.QueueClient`) over the queue actor
  remote_fetch                a producer's long poll on the weights actor (`streamrl.weights.receiver.Fetch`)
+ RemoteHold                  a producer telling the weights actor it took a version the trainer offered
  RemoteSender                the trainer actor as rank 0 of the sglang update groups
 ```
 """
@@ -88,6 +89,21 @@ def remote_fetch(weights: ray.actor.ActorHandle, holder: int, *, by_reference: b
         version, refs = got
         return version, refs if by_reference else ray.get(refs[0])
     return fetch
+
+
+class RemoteHold:
+    """`hold(version)` for an engine's offers (`streamrl.engine.base.accept_offer`): tells the weights
+    actor that `holder` took `version` without waiting for the answer, since it comes before the fetch
+    and copy of the weights; the previous call's answer is read at the next, so a failure still surfaces."""
+
+    def __init__(self, weights: ray.actor.ActorHandle, holder: int):
+        self.weights, self.holder = weights, holder
+        self._previous: ray.ObjectRef | None = None
+
+    def __call__(self, version: int) -> None:
+        previous, self._previous = self._previous, self.weights.hold.remote(self.holder, version)
+        if previous is not None:
+            ray.get(previous)
 
 
 def update_group_prefix(run_name: str, producer_id: int) -> str:
