@@ -43,6 +43,7 @@ from streamrl.runtime.rundir import (
     EVENTS_FILE,
     GROUPS_FILE,
     METRICS_FILE,
+    STEP_FILES,
     SUMMARY_FILE,
     RunDir,
     RunDirError,
@@ -426,6 +427,8 @@ def prepare(config_path: str | None = None, overrides: list[str] | None = None, 
             check_resume_overrides(saved, config)
             check_model_and_task(config)
             checkpoint = run_dir.verified_checkpoint()
+            for name in STEP_FILES:  # a damaged record is refused before anything starts (the rewind reads them)
+                run_dir.read(name)
             step = json.loads((checkpoint / "meta.json").read_text())["step"]
             if step >= config.run.steps:
                 raise ConfigError(f"the run is already at step {step} and run.steps = {config.run.steps}; "

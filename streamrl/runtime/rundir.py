@@ -134,15 +134,33 @@ class RunDir:
             f.write(json.dumps(record) + "\n")
 
     def read(self, name: str) -> list[dict[str, Any]]:
+        """The records of a JSON-lines file. A last line cut short (the launcher killed while appending
+        it) is left out; any other line that does not parse is an error naming the file and line."""
         path = self.path / name
         if not path.is_file():
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        text = path.read_text()
+        lines = text.splitlines()
+        records = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                if number == len(lines) and not text.endswith("\n"):
+                    continue  # torn: its step is trained again (the checkpoint resumed from is older)
+                raise RunDirError(f"{str(path)!r} line {number} is not JSON ({exc}); the run directory is "
+                                  f"damaged") from None
+        return records
 
     def truncate_after(self, name: str, step: int) -> None:
-        """Drop lines of steps after `step` (written after the checkpoint a run resumes from)."""
+        """Drop lines of steps after `step` (written after the checkpoint a run resumes from), and a torn
+        last line. Written to a temporary file that replaces the old one: a crash leaves one or the other."""
         kept = [r for r in self.read(name) if r.get("step", 0) <= step]
-        (self.path / name).write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp = self.path / f".{name}.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(self.path / name)
 
     def write_json(self, name: str, value: Any) -> None:
         tmp = self.path / f".{name}.tmp"

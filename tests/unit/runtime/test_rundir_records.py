@@ -1,0 +1,32 @@
+"""A run directory's JSON-lines records: a torn last line, a damaged one, the rewind of a resume."""
+
+import json
+
+import pytest
+
+from streamrl.config import RunConfig
+from streamrl.runtime.rundir import METRICS_FILE, RunDir, RunDirError
+
+
+def test_a_torn_last_line_is_left_out_and_the_rewind_replaces_the_file_whole(tmp_path):
+    run_dir = RunDir.create(tmp_path / "run", RunConfig())
+    for step in range(1, 6):
+        run_dir.append(METRICS_FILE, {"step": step, "reward_mean": 0.1 * step})
+    with open(run_dir.path / METRICS_FILE, "a") as f:
+        f.write('{"step": 6, "rew')  # the launcher killed while appending step 6
+    assert [r["step"] for r in run_dir.read(METRICS_FILE)] == [1, 2, 3, 4, 5]
+    run_dir.truncate_after(METRICS_FILE, 3)  # a resume from step 3
+    text = (run_dir.path / METRICS_FILE).read_text()
+    assert [json.loads(line)["step"] for line in text.splitlines()] == [1, 2, 3] and text.endswith("\n")
+    assert not list(run_dir.path.glob(".*.tmp"))
+
+
+def test_a_damaged_line_that_is_not_the_last_is_refused_naming_it(tmp_path):
+    run_dir = RunDir.create(tmp_path / "run", RunConfig())
+    (run_dir.path / METRICS_FILE).write_text('{"step": 1}\n{"step": 2, "re\n{"step": 3}\n')
+    with pytest.raises(RunDirError, match=r"metrics.jsonl' line 2 is not JSON"):
+        run_dir.read(METRICS_FILE)
+    before = (run_dir.path / METRICS_FILE).read_text()
+    with pytest.raises(RunDirError):
+        run_dir.truncate_after(METRICS_FILE, 1)
+    assert (run_dir.path / METRICS_FILE).read_text() == before  # refused: nothing rewritten
