@@ -203,14 +203,14 @@ class Run:
         """Wait for a trainer call and, at the same time, for any producer's run to end: a producer that
         died is replaced at once (however fast the trainer's calls return), one that failed fails the run.
         `stop` set while a step still waits for its groups (admission paused, say) cancels that step."""
-        cancelled = False
         while True:
             runs = self.producers.runs if self.producers is not None else []
             # a bounded wait, so that Ctrl-C reaches the driver between waits
             ready, _ = ray.wait([ref, *runs], num_returns=1, timeout=1.0)
-            if stop is not None and stop.is_set() and not cancelled:
-                self.trainer.cancel_step.remote()  # a step already training finishes and is recorded
-                cancelled = True
+            if stop is not None and stop.is_set():
+                # Again each second: a cancel that lands before the step starts is cleared by it. A step
+                # already training finishes and is recorded.
+                self.trainer.cancel_step.remote()
             if not ready:
                 continue
             if ready[0] == ref:
