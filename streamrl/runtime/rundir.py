@@ -190,9 +190,16 @@ class RunDir:
         latest_tmp = self.checkpoints / ".latest.tmp"
         latest_tmp.write_text(target.name + "\n")
         latest_tmp.replace(self.checkpoints / "latest")
-        for old in sorted(self.checkpoints.glob("step_*"))[:-keep]:
+        for old in self.step_checkpoints()[:-keep]:
             shutil.rmtree(old)
         return target
+
+    def step_checkpoints(self) -> list[Path]:
+        """The `step_N` checkpoint directories, oldest first: ordered by N, not by name (past step 999,999
+        the names grow a digit)."""
+        steps = [(int(d.name.removeprefix("step_")), d) for d in self.checkpoints.glob("step_*")
+                 if d.name.removeprefix("step_").isdigit()]
+        return [directory for _, directory in sorted(steps)]
 
     def rewind(self, step: int, config: RunConfig) -> list[str]:
         """The directory as it was at checkpoint `step`, for a resumed run once it has started: records of
@@ -208,8 +215,7 @@ class RunDir:
     def discard_checkpoints_after(self, step: int) -> list[str]:
         """Remove checkpoints of steps after `step` (the one a run resumes from): complete ones a run
         that died before moving `latest` left, from steps the resumed run will train again. Their names."""
-        later = [d for d in sorted(self.checkpoints.glob("step_*"))
-                 if d.name.removeprefix("step_").isdigit() and int(d.name.removeprefix("step_")) > step]
+        later = [d for d in self.step_checkpoints() if int(d.name.removeprefix("step_")) > step]
         for directory in later:
             shutil.rmtree(directory)
         return [d.name for d in later]
@@ -237,8 +243,7 @@ class RunDir:
         target = self.latest_checkpoint()
         problem = checkpoint_problem(target)
         if problem is not None:
-            older = [p.name for p in sorted(self.checkpoints.glob("step_*")) if p != target and
-                     checkpoint_problem(p) is None]
+            older = [p.name for p in self.step_checkpoints() if p != target and checkpoint_problem(p) is None]
             hint = (f"; {', '.join(older)} verifies: point {self.checkpoints / 'latest'} at it to resume from there"
                     if older else "; no other checkpoint verifies")
             raise RunDirError(f"checkpoint {str(target)!r} is damaged: {problem}{hint}")

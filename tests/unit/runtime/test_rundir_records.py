@@ -30,3 +30,14 @@ def test_a_damaged_line_that_is_not_the_last_is_refused_naming_it(tmp_path):
     with pytest.raises(RunDirError):
         run_dir.truncate_after(METRICS_FILE, 1)
     assert (run_dir.path / METRICS_FILE).read_text() == before  # refused: nothing rewritten
+
+
+def test_checkpoints_past_step_999999_are_kept_newest_first_by_step_not_by_name(tmp_path):
+    run_dir = RunDir.create(tmp_path / "run", RunConfig())
+    run_dir.checkpoints.mkdir(exist_ok=True)
+    for step in (999_998, 999_999, 1_000_000):
+        directory = run_dir.step_dir(step)
+        directory.mkdir()
+        run_dir.make_latest(directory, keep=2)
+    assert [d.name for d in run_dir.step_checkpoints()] == ["step_999999", "step_1000000"]
+    assert (run_dir.checkpoints / "latest").read_text().strip() == "step_1000000"
