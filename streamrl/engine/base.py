@@ -51,8 +51,8 @@ class EngineWeights(Protocol):
 
     def offer(self, version: int, weights: Any, hold: Callable[[int], Any]) -> bool:
         """The trainer hands a version over directly (arrays or `[object reference]`); staged if newer.
-        True when this offer staged it. `hold(version)` is called once the version is taken, before it is
-        fetched and staged: only then does it count as held (the registry is told, and the long poll does
+        True when this offer staged it. `hold(version)` is called once the version is taken and fetched,
+        before it is staged: only then does it count as held (the registry is told, and the long poll does
         not fetch it as well)."""
 
     def wait_newer(self, than: int | None, timeout: float) -> bool:
@@ -63,7 +63,7 @@ class EngineWeights(Protocol):
 
 def accept_offer(weights: EngineWeights, version: int, handle: Any, hold: Callable[[int], Any]) -> bool:
     """A version the trainer offered: staged by `weights` if it takes offers and the version is newer,
-    and only then recorded as held (`hold(version)`, the registry's, before the copy), so that the long
+    and only then recorded as held (`hold(version)`, the registry's, after the fetch, before the copy), so that the long
     poll does not fetch it too. True when taken."""
     return weights.offer(version, handle, hold)
 

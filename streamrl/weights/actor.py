@@ -76,20 +76,26 @@ class WeightPublisher:
 
     def publish(self, version: int, arrays: dict[str, np.ndarray]) -> None:
         """Put `arrays` (a copy: the caller may change its weights at once) and hand `version` out."""
-        self._check()
-        ref = ray.put(arrays)
-        self._announced = self.weights.publish.remote(version, [ref])  # in a list: by reference
-        with self._lock:
-            self._pending += [(pid, producer, producer.offer_weights.remote(version, [ref]))
-                              for pid, producer in self._subscribers.items()]
-
-    def _check(self) -> None:
         if self._announced is not None:
             ray.get(self._announced)  # had a whole step to finish; keeps versions in order
+        ref = ray.put(arrays)
+        with self._lock:  # the offers first: they are what producers wait for, the announcement is not
+            offers = [(pid, producer, producer.offer_weights.remote(version, [ref]))
+                      for pid, producer in self._subscribers.items()]
+        self._announced = self.weights.publish.remote(version, [ref])  # in a list: by reference
+        self._check_offers()  # the previous ones, after this version is on its way
+        with self._lock:
+            self._pending += offers
+
+    def _check_offers(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
+        if not pending:
+            return
+        done, _ = ray.wait([offer for _, _, offer in pending], num_returns=len(pending), timeout=0)
+        answered = set(done)
         for pid, producer, offer in pending:
-            if not ray.wait([offer], timeout=0)[0]:
+            if offer not in answered:
                 with self._lock:
                     self._pending.append((pid, producer, offer))  # still copying into its standby model
                 continue

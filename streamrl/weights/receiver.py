@@ -93,8 +93,8 @@ class WeightReceiver:
               hold: Callable[[int], Any] | None = None) -> bool:
         """Stage `version` if it is newer than what is staged (from the long poll or an offer; thread-safe);
         True when it was. `arrays` may be a function that fetches them: called only once the version is
-        taken. `hold(version)` is called once it is taken, before it is fetched and copied (the registry's:
-        the long poll need not fetch it too).
+        taken. `hold(version)` is called once it is fetched, before it is copied (the registry's: the long
+        poll, which waits `OFFER_GRACE_S` for offers, need not fetch it too).
 
         Offers coalesce: one that a newer offer has overtaken while it waited returns at once (False), so a
         producer slower to copy than the trainer to publish copies the newest version, not each in turn;
@@ -105,10 +105,10 @@ class WeightReceiver:
         with self._stage_lock:  # the poll thread and an offer may bring the same version at once
             if self._superseded(version):
                 return False
-            if hold is not None:
-                hold(version)
             arrays = arrays() if callable(arrays) else arrays
             self.fetched_at = time.time()
+            if hold is not None:  # after the fetch (a read of shared memory, on the latency path)
+                hold(version)
             if self._standby is not None:
                 with self._cond:  # the generating thread switches at its next decode step: notified by _swap
                     self._cond.wait_for(self._standby_taken, timeout=SWAP_WAIT_S)
