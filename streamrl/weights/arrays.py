@@ -28,17 +28,43 @@ def state_arrays(model: torch.nn.Module, *, copy: bool = True) -> dict[str, np.n
 
 @torch.no_grad()
 def load_state_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
-    """Copy published weights into `model` in place (every tensor of `arrays` must match by name and shape)."""
+    """Copy published weights into `model` in place. Every tensor of `arrays` must match one of the model's
+    by name, shape and kind of number (a float array may change precision: float32 into bf16), and every
+    tensor of the model must be there once (tied tensors through any of their names): a version missing
+    one would leave that tensor at the previous version while every token is stamped with the new one.
+    Checked before anything is copied, so a refused version leaves the model as it was."""
     state = model.state_dict()
     unknown = sorted(set(arrays) - set(state))
     if unknown:
         raise KeyError(f"published weights hold tensors the model does not have: {unknown[:5]}")
+    missing = [names[0] for names in _tied_names(state) if not any(name in arrays for name in names)]
+    if missing:
+        raise KeyError(f"published weights lack tensors of the model: {missing[:5]}")
     for name, array in arrays.items():
         target = state[name]
         if tuple(target.shape) != array.shape:
             raise ValueError(f"weight {name}: shape {array.shape} does not match the model's {tuple(target.shape)}")
+        if _kind(target.dtype) != _kind_of_array(array.dtype):
+            raise TypeError(f"weight {name}: {array.dtype} values cannot be loaded into the model's {target.dtype}")
     for name, tensor in zip(arrays, read_only_tensors(arrays, list(arrays))):
         state[name].copy_(tensor)
+
+
+def _tied_names(state: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """The state's names, those of one tied tensor (one storage) together, as `state_arrays` keeps them."""
+    tied: dict[object, list[str]] = {}
+    for name, tensor in state.items():
+        key = tensor.data_ptr() if tensor.numel() else name  # empty tensors may all point at 0
+        tied.setdefault(key, []).append(name)
+    return list(tied.values())
+
+
+def _kind(dtype: torch.dtype) -> str:
+    return "float" if dtype.is_floating_point else "bool" if dtype == torch.bool else "integer"
+
+
+def _kind_of_array(dtype: np.dtype) -> str:
+    return {"f": "float", "b": "bool", "i": "integer", "u": "integer"}.get(dtype.kind, dtype.kind)
 
 
 def read_only_tensors(arrays: Mapping[str, np.ndarray], names: list[str]) -> list[torch.Tensor]:

@@ -126,6 +126,27 @@ def test_state_arrays_hold_tied_weights_once_and_reject_mismatches(tiny_model_di
         load_state_arrays(model, {"not_a_weight": np.zeros(1, np.float32)})
 
 
+def test_a_version_missing_a_tensor_or_of_another_kind_of_number_is_refused_and_the_model_left_as_it_was(
+        tiny_model_dir):
+    """Loaded as given, a version without one of the model's tensors left that tensor at the previous
+    version under the new version's stamp, and integer arrays were converted into float weights."""
+    model, _ = load_policy(tiny_model_dir)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    published = {name: np.full_like(array, 0.5) for name, array in state_arrays(model).items()}
+    without_norm = {name: array for name, array in published.items() if name != "model.norm.weight"}
+    with pytest.raises(KeyError, match="lack tensors of the model: \\['model.norm.weight'\\]"):
+        load_state_arrays(model, without_norm)
+    as_integers = dict(published, **{"model.norm.weight": published["model.norm.weight"].astype(np.int32)})
+    with pytest.raises(TypeError, match="model.norm.weight: int32"):
+        load_state_arrays(model, as_integers)
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
+    # What is allowed: a tied tensor under one of its names (lm_head through the embedding), and a
+    # float array into weights of another precision.
+    model.to(torch.bfloat16)
+    load_state_arrays(model, published)
+    assert all((tensor == 0.5).all() for tensor in model.state_dict().values() if tensor.is_floating_point())
+
+
 @pytest.mark.ray
 def test_the_trainer_offers_each_version_to_subscribed_producers_and_forgets_dead_ones(ray_local):
     """One hop to every running producer (`offer_weights`), the registry still announced (late joiners
@@ -181,7 +202,8 @@ def test_an_offer_that_cannot_be_staged_stops_the_producer_not_the_trainer(tiny_
     receiver.fetch_now()
     weights = LocalWeights(model, receiver)
     weights.refresh()
-    weights.offer(1, {"model.embed_tokens.weight": np.zeros((2, 2), np.float32)}, lambda version: None)  # wrong shape
+    wrong_shape = dict(state_arrays(model), **{"model.embed_tokens.weight": np.zeros((2, 2), np.float32)})
+    weights.offer(1, wrong_shape, lambda version: None)
     with pytest.raises(RuntimeError, match="fetching weights failed") as raised:
         weights.refresh()
     assert "does not match the model's" in str(raised.value.__cause__)
