@@ -4,7 +4,8 @@
  admit thread:   free slots ≥ G ─► queue.admit(free // G, weights version the engine holds) ─► tickets
                    └─ none: paused / in-flight / capacity / staleness ─► retry;  stale_weights ─► wait for newer
  decode loop:    newer weights? switch (the stall is measured) ─► admitted groups join the engine ─► step
-                   └─ a group's G samples all ended ─► rewards ─► Arrow batch ─► commit queue
+                   └─ a group's G samples all ended ─► score queue
+ score thread:   rewards ─► Arrow batch ─► commit queue  (a failed reward: the prompts go back, raised in the loop)
  commit thread:  queue.commit(batch)  (refused: the tickets are given back; an error is re-raised in the loop,
                    and every batch after it is given back)
  newer weights:  groups now certain to exceed the staleness budget are stopped and given back (unless the
@@ -12,8 +13,9 @@
  stop:           batches already made are committed; running and admitted groups are given back
 ```
 A slot frees as soon as one sequence ends, so a long response holds one slot, not a whole batch: the
-long tail costs throughput only through the staleness budget, not through idle slots. Admission and
-commits run on their own threads, so no Ray call holds up a decode step. The prompt cursor lives in
+long tail costs throughput only through the staleness budget, not through idle slots. Admission,
+scoring and commits run on their own threads, so neither a Ray call nor a reward function (user code: a
+verifier or sandbox may take up to its timeout) holds up a decode step. The prompt cursor lives in
 the queue and advances only by admission; a group that is never committed gives its prompt back, so
 nothing is skipped and nothing is generated twice for training.
 """
@@ -103,6 +105,7 @@ class _Group:
         self.ticket, self.prompt, self.started = ticket, prompt, started
         self.first_version = first_version  # the weights its first tokens come from: the group's behaviour version
         self.samples: dict[int, Sample] = {}
+        self.ended: float | None = None  # wall time its last sample ended (scored later, on another thread)
 
 
 @dataclass
@@ -134,6 +137,7 @@ class RolloutProducer:
         self._cond = threading.Condition()
         self._admitted: deque[Ticket] = deque()  # admitted, not yet in the engine
         self._groups: dict[int, _Group] = {}  # in the engine, by ticket id
+        self._scoring: stdlib_queue.Queue[tuple[list[int], list[_Group]] | None] = stdlib_queue.Queue()
         self._commits: stdlib_queue.Queue[tuple[list[int], pa.RecordBatch | None] | None] = stdlib_queue.Queue()
         self._error: BaseException | None = None
         self._done = threading.Event()
@@ -162,6 +166,7 @@ class RolloutProducer:
         started = time.perf_counter()
         self._refresh()  # the first version into use before the admit thread reports what it holds
         threads = [threading.Thread(target=self._admit_loop, name="admit", daemon=True),
+                   threading.Thread(target=self._score_loop, name="score", daemon=True),
                    threading.Thread(target=self._commit_loop, name="commit", daemon=True)]
         self._done.clear()
         for thread in threads:
@@ -238,18 +243,13 @@ class RolloutProducer:
                 continue  # stopped or lost while its last request was in flight
             group.samples[sample.index] = sample
             if len(group.samples) == self.group_size:
+                group.ended = time.time()
                 done.append(self._groups.pop(sample.key))
         if finished:
             with self._cond:
                 self._cond.notify_all()  # slots opened for the admit thread
         if done:
-            ticket_ids = [g.ticket.ticket_id for g in done]
-            try:
-                batch = self._pack(done)
-            except BaseException:  # scoring failed: the commit thread gives the prompts back
-                self._commits.put((ticket_ids, None))
-                raise
-            self._commits.put((ticket_ids, batch))
+            self._scoring.put(([g.ticket.ticket_id for g in done], done))
 
     def _pack(self, groups: list[_Group]) -> pa.RecordBatch:
         samples = [g.samples[i] for g in groups for i in range(self.group_size)]
@@ -262,7 +262,7 @@ class RolloutProducer:
         self.stats.samples += len(samples)
         return pack_groups([g.ticket for g in groups], [g.prompt for g in groups], generation, rewards,
                            group_size=self.group_size, producer_id=self.producer_id,
-                           t_start=min(g.started for g in groups), t_end=time.time())
+                           t_start=min(g.started for g in groups), t_end=max(g.ended or time.time() for g in groups))
 
     # ---- the control plane ---------------------------------------------------------------------------
     def _free_groups(self) -> int:
@@ -292,6 +292,21 @@ class RolloutProducer:
                     self.engine.weights.wait_newer(held, self.admit_timeout)
         except BaseException as exc:
             self._fail(exc)
+
+    def _score_loop(self) -> None:
+        # Drains until shutdown whatever fails, as the commit loop: every item reaches the commit thread.
+        while (item := self._scoring.get()) is not None:
+            ticket_ids, groups = item
+            if self._error is not None:
+                self._commits.put((ticket_ids, None))  # the producer is stopping: the prompts go back
+                continue
+            try:
+                batch = self._pack(groups)
+            except BaseException as exc:  # scoring failed: the prompts go back, the error stops the producer
+                self._commits.put((ticket_ids, None))
+                self._fail(exc)
+                continue
+            self._commits.put((ticket_ids, batch))
 
     def _commit_loop(self) -> None:
         # Drains until shutdown whatever fails: an item left in `_commits` would hold its tickets for good.
@@ -327,8 +342,10 @@ class RolloutProducer:
         with self._cond:
             self._cond.notify_all()
         threads[0].join()  # no admission can land after this
+        self._scoring.put(None)
+        threads[1].join()  # finished groups scored and packed
         self._commits.put(None)
-        threads[1].join()
+        threads[2].join()
         unfinished = [*self._groups, *(t.ticket_id for t in self._admitted)]
         self.engine.abort()
         self._groups.clear()

@@ -105,6 +105,31 @@ def test_a_failed_reward_stops_the_producer_and_gives_its_prompts_back(tiny_mode
     assert not errors and sorted(g.prompt_id for g in got.groups) == [0, 1, 2]
 
 
+def test_a_slow_reward_does_not_hold_up_generation(tiny_model_dir, setup):
+    """Rewards were scored in the decode loop: a reward function that takes seconds (a verifier, a
+    sandbox, up to its timeout) held every running sequence meanwhile. Now finished groups are scored
+    on their own thread while the engine goes on with the next ones."""
+    queue, registry = setup
+    scoring, release = threading.Event(), threading.Event()
+
+    class SlowToScore(ReverseDigits):
+        def reward(self, prompt_id, response_ids):
+            scoring.set()
+            release.wait(10)
+            return super().reward(prompt_id, response_ids)
+
+    producer = make_producer(tiny_model_dir, queue, registry, task=SlowToScore(2))
+    with running(producer) as errors:
+        assert scoring.wait(30)
+        steps = producer.stats.decode_steps
+        time.sleep(0.5)
+        steps_while_scoring = producer.stats.decode_steps - steps
+        release.set()
+        got = queue.get(3, timeout=30)
+    assert not errors and got is not None
+    assert steps_while_scoring > 0
+
+
 def test_a_producer_with_stale_weights_waits_for_newer_ones(tiny_model_dir, setup):
     queue, registry = setup
     producer = make_producer(tiny_model_dir, queue, registry)
