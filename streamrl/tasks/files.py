@@ -188,6 +188,26 @@ def _check_lengths(prompts: list[Any], where: str, tokenize: Callable[[list[Any]
                                  f"{max_prompt_tokens} the model's context leaves for a prompt")
 
 
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """Where a response ends: the tokenizer's eos token and every `eos_token_id` of the model's
+    `generation_config.json` beside it. Chat models end a turn with a token the tokenizer need not call
+    eos (Qwen2.5-Instruct lists `<|im_end|>` and `<|endoftext|>`, Llama 3 Instruct `<|eot_id|>` beside
+    `<|end_of_text|>`): stopping at the tokenizer's alone ran such responses on to `max_new_tokens`."""
+    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    model_dir = getattr(tokenizer, "name_or_path", "")
+    path = Path(model_dir, "generation_config.json")
+    if model_dir and path.is_file():
+        listed = json.loads(path.read_text()).get("eos_token_id")
+        listed = [listed] if isinstance(listed, int) else listed if listed is not None else []
+        if not isinstance(listed, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                   for i in listed):
+            raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, not {listed!r}")
+        ids += listed
+    if not ids:
+        raise ValueError("the model's tokenizer has no eos token to stop generation at")
+    return tuple(dict.fromkeys(ids))
+
+
 class FileTask:
     name = "file"
 
@@ -211,9 +231,7 @@ class FileTask:
         self.guard = RewardGuard(section.reward, search_path, isolation=section.reward_isolation,
                                  timeout_s=section.reward_timeout_s, low=section.reward_min,
                                  high=section.reward_max, fallback=section.reward_on_failure, batched=batched)
-        if tokenizer.eos_token_id is None:
-            raise ValueError("the model's tokenizer has no eos token to stop generation at")
-        self.stop_token_ids = (tokenizer.eos_token_id,)
+        self.stop_token_ids = stop_token_ids(tokenizer)
         self._cache: dict[int, list[int]] = {}
 
     def encode(self, prompt: str | list[dict[str, Any]]) -> list[int]:

@@ -150,3 +150,22 @@ def test_a_batched_reward_is_called_once_per_group(files, tiny_model_dir, isolat
     assert wrong.reward_failures() == {"not_a_number": 2}
     wrong.close()
     sys.modules.pop("batched_rewards", None)
+
+
+def test_generation_stops_at_every_eos_token_the_model_lists(files, tiny_model_dir, tmp_path_factory):
+    """A chat model ends its turn with a token its tokenizer need not call eos (Qwen2.5-Instruct's
+    generation_config lists <|im_end|> and <|endoftext|>): stopping at the tokenizer's alone ran every
+    response on to max_new_tokens."""
+    import shutil
+
+    model_dir = tmp_path_factory.mktemp("instruct") / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert make_task(section(files), tokenizer, search_path=str(files)).stop_token_ids == (tokenizer.eos_token_id,)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, tokenizer.eos_token_id, 6]}))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    task = make_task(section(files), tokenizer, search_path=str(files))
+    assert task.stop_token_ids == (tokenizer.eos_token_id, 5, 6)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(ValueError, match="generation_config.json: eos_token_id must be a token id"):
+        make_task(section(files), tokenizer, search_path=str(files))
