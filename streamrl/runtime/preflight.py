@@ -22,8 +22,10 @@ from typing import Any
 from streamrl.buffer.config import QueueConfig
 from streamrl.config import ConfigError, RunConfig
 
-# Fields a resumed run may not change: they define the data already generated and the model trained.
-FROZEN_ON_RESUME = ("model", "task", "queue.group_size", "queue.groups_per_step", "trainer.backend",
+# Fields a resumed run may not change: they define the data already generated and the model trained
+# (run.seed draws each prompt id's prompt: changed, the prompts given back and the rest of the stream
+# would be other prompts, some already trained on).
+FROZEN_ON_RESUME = ("model", "task", "run.seed", "queue.group_size", "queue.groups_per_step", "trainer.backend",
                     "trainer.tensor_parallel", "trainer.pipeline_parallel")  # the optimizer state is saved per shard
 PRODUCER_CONCURRENCY = 5  # a producer's run; the queue's take_batch; the trainer's offers; status; stop
 READY_TIMEOUT_S = 300.0  # every actor's constructor (sglang producers add their servers' start-up)

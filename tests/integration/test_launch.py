@@ -378,7 +378,7 @@ def test_an_existing_run_directory_is_not_overwritten(tmp_path):
         prepare(None, tiny(tmp_path, "taken"))
 
 
-@pytest.mark.parametrize("change, field", [("queue.group_size=8", "queue.group_size"),
+@pytest.mark.parametrize("change, field", [("queue.group_size=8", "queue.group_size"), ("run.seed=7", "run.seed"),
                                            ("trainer.tensor_parallel=2", "trainer.tensor_parallel"),
                                            ("trainer.pipeline_parallel=2", "trainer.pipeline_parallel")])
 def test_resume_refuses_to_change_what_defines_the_data_or_the_optimizer_shards(tmp_path, change, field):
