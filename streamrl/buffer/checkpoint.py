@@ -49,11 +49,14 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+def fsync_path(path: Path) -> None:
+    """Flush a file, or a directory's entries, to disk: a rename survives a crash of the machine only
+    once the directory holding it is flushed, and the renamed files only once they are."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def remove_torn_directories(parent: Path) -> None:
@@ -63,7 +66,9 @@ def remove_torn_directories(parent: Path) -> None:
 
 
 def atomic_directory(target: Path, write: Callable[[Path], None]) -> Path:
-    """Run `write(tmp_dir)` then rename tmp_dir to `target`, which must not exist yet."""
+    """Run `write(tmp_dir)` then rename tmp_dir to `target`, which must not exist yet. Everything written
+    is flushed to disk before the rename and the rename after it, so once this returns, the directory
+    is whole even if the machine goes down (its files' checksums would otherwise refuse it on resume)."""
     target = Path(target)
     if target.exists():
         raise FileExistsError(f"checkpoint directory {target} already exists")
@@ -72,7 +77,11 @@ def atomic_directory(target: Path, write: Callable[[Path], None]) -> Path:
     tmp.mkdir()
     try:
         write(tmp)
+        for path in sorted(tmp.rglob("*"), reverse=True):  # a directory's files before the directory
+            fsync_path(path)
+        fsync_path(tmp)
         os.rename(tmp, target)
+        fsync_path(target.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -91,7 +100,7 @@ def save_queue(queue: ReplayQueue, directory: str | Path,
     def write(tmp: Path) -> None:
         with pa.OSFile(str(tmp / QUEUED_FILE), "wb") as sink, pa.ipc.new_file(sink, TRAJECTORY_SCHEMA) as writer:
             writer.write_table(table)
-        _fsync_write(tmp / STATES_FILE, states)
+        (tmp / STATES_FILE).write_bytes(states)
         records, row = [], 0
         for g in groups:
             record = {k: v for k, v in g._asdict().items() if k != "payload"}
@@ -102,7 +111,7 @@ def save_queue(queue: ReplayQueue, directory: str | Path,
             "config": queue.config.model_dump(), **snap, "groups": records,
             "files": {name: sha256_file(tmp / name) for name in (QUEUED_FILE, STATES_FILE)},
         }
-        _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        (tmp / MANIFEST).write_bytes(json.dumps(manifest, indent=1).encode())
 
     return atomic_directory(Path(directory), write)
 

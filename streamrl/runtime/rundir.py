@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from streamrl.buffer.checkpoint import atomic_directory, remove_torn_directories, sha256_file
+from streamrl.buffer.checkpoint import atomic_directory, fsync_path, remove_torn_directories, sha256_file
 from streamrl.config import RunConfig, dump_config, load_config
 
 CHECKSUMS = "checksums.json"  # sha256 of every other file of a checkpoint, written last
@@ -189,7 +189,9 @@ class RunDir:
         checkpoint of this run whose writer was interrupted after its directory was in place."""
         latest_tmp = self.checkpoints / ".latest.tmp"
         latest_tmp.write_text(target.name + "\n")
+        fsync_path(latest_tmp)
         latest_tmp.replace(self.checkpoints / "latest")
+        fsync_path(self.checkpoints)
         for old in self.step_checkpoints()[:-keep]:
             shutil.rmtree(old)
         return target

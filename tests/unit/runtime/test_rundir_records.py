@@ -41,3 +41,37 @@ def test_checkpoints_past_step_999999_are_kept_newest_first_by_step_not_by_name(
         run_dir.make_latest(directory, keep=2)
     assert [d.name for d in run_dir.step_checkpoints()] == ["step_999999", "step_1000000"]
     assert (run_dir.checkpoints / "latest").read_text().strip() == "step_1000000"
+
+
+def test_a_checkpoint_is_on_disk_before_latest_points_at_it(tmp_path, monkeypatch):
+    """Renames alone survive a killed process, not a machine that goes down: `latest` could then name a
+    checkpoint whose files never reached the disk (refused by its checksums, with the previous one
+    pruned). Every file and directory is flushed before the rename, the rename before `latest` moves."""
+    import os
+
+    flushed = []
+    fsync = os.fsync
+
+    def recording_fsync(fd):
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    run_dir = RunDir.create(tmp_path / "run", RunConfig())
+
+    def write(tmp):
+        (tmp / "model").mkdir()
+        (tmp / "model" / "weights.bin").write_bytes(b"\0" * 64)
+        (tmp / "optimizer.bin").write_bytes(b"\1" * 64)
+
+    target = run_dir.write_checkpoint(1, write, {"step": 1}, keep=2)
+    checkpoints = str(run_dir.checkpoints)
+    tmp = next(p for p in flushed if p.endswith("/model/weights.bin")).removesuffix("/model/weights.bin")
+    files = {str(p.relative_to(target)) for p in target.rglob("*")}
+    assert files == {"model", "model/weights.bin", "optimizer.bin", "meta.json", "checksums.json"}
+    written = [p.removeprefix(tmp + "/") for p in flushed if p.startswith(tmp + "/")]
+    assert set(written) == files and written.index("model/weights.bin") < written.index("model")
+    directory_flushes = [i for i, p in enumerate(flushed) if p == checkpoints]
+    assert len(directory_flushes) == 2  # the rename, then `latest` replaced
+    assert flushed.index(tmp) < directory_flushes[0] < flushed.index(checkpoints + "/.latest.tmp") < directory_flushes[1]
+    assert run_dir.latest_checkpoint() == target
