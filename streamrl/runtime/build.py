@@ -53,7 +53,7 @@ def make_engine(cfg: RunConfig, *, run_name: str, producer_id: int, model_dir: s
         sender = RemoteSender(ray.get_actor(actor_name(run_name, "trainer"), namespace=NAMESPACE)) \
             if cfg.producers.sglang.weights == "distributed" else None
         return sglang_engine(cfg, producer_id=producer_id, model_dir=model_dir, seed=seed,
-                             fetch=remote_fetch(weights, producer_id, by_reference=True), search_path=search_path,
+                             fetch=remote_fetch(weights, producer_id), search_path=search_path,
                              work_dir=work_dir, sender=sender, group_prefix=update_group_prefix(run_name, producer_id),
                              node=ray.util.get_node_ip_address())
     raise ValueError(f"unknown engine {kind!r}")

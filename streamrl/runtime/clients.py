@@ -77,17 +77,13 @@ class RemoteQueue:
 OFFER_GRACE_S = 0.5  # a version the trainer's offer has not brought after this long is fetched by the long poll
 
 
-def remote_fetch(weights: ray.actor.ActorHandle, holder: int, *, by_reference: bool = False,
-                 grace_s: float = 0.0):
-    """Newer weights from the weights actor, held by `holder`: their arrays (read-only views of the
-    object store), or with `by_reference` `[object reference]` (`streamrl.weights.arrays.resolve`).
-    `grace_s`: the holder is offered versions directly; the long poll fetches only those an offer missed."""
-    def fetch(have: int | None, timeout: float) -> tuple[int, Any] | None:
-        got = ray.get(weights.acquire.remote(holder, have, timeout, grace_s))
-        if got is None:
-            return None
-        version, refs = got
-        return version, refs if by_reference else ray.get(refs[0])
+def remote_fetch(weights: ray.actor.ActorHandle, holder: int, *, grace_s: float = 0.0):
+    """Newer weights from the weights actor, held by `holder`, as `[object reference]`: read by the caller
+    (`streamrl.weights.arrays.resolve`) only once it takes the version, so a version an offer is already
+    fetching is not fetched twice. `grace_s`: the holder is offered versions directly; the long poll
+    answers only those an offer missed."""
+    def fetch(have: int | None, timeout: float) -> tuple[int, list[ray.ObjectRef]] | None:
+        return ray.get(weights.acquire.remote(holder, have, timeout, grace_s))
     return fetch
 
 

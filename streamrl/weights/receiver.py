@@ -3,7 +3,8 @@ decode-step boundary.
 
 ```
  offer(version, arrays): the trainer's direct offer, staged at once if newer (one hop)
- poll thread: fetch(have, wait ≤ poll_s) ─► (version, arrays)        (a long poll; overlaps generation)
+ poll thread: fetch(have, wait ≤ poll_s) ─► (version, handle) ─► arrays, if not taken already
+                                                                    (a long poll; overlaps generation)
     double-buffered: copy the arrays into the standby model ─► ready   (still overlapping generation)
     in place:        keep the arrays as `pending`
  sampler, at each decode-step boundary: apply(model) ─► (model to use, its version)
@@ -26,11 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from streamrl.weights.arrays import load_state_arrays
+from streamrl.weights.arrays import load_state_arrays, resolve
 
 Arrays = dict[str, np.ndarray]
-# fetch(have, timeout): newer weights than `have`, waiting up to `timeout` seconds for them (a long poll).
-Fetch = Callable[[int | None, float], tuple[int, Arrays] | None]
+# fetch(have, timeout): newer weights than `have`, waiting up to `timeout` seconds for them (a long poll):
+# (version, their arrays or `[object reference]`), read (`resolve`) only if the version is taken.
+Fetch = Callable[[int | None, float], tuple[int, Any] | None]
 SWAP_WAIT_S = 0.5  # how long a new version waits for the generating thread to switch to the staged one
 
 
@@ -87,7 +89,12 @@ class WeightReceiver:
     def fetch_now(self, timeout: float = 0.0) -> bool:
         """Fetch newer weights, waiting up to `timeout` for them; True when some were staged."""
         got = self._fetch(self._staged_version, timeout)
-        return got is not None and self.offer(*got)
+        if got is None:
+            return False
+        version, handle = got
+        # Read only once taken: an offer of the same version may be fetching it now (the long poll answers
+        # a version an offer has not brought within its grace, as a slow fetch from another node may not).
+        return self.offer(version, lambda: dict(resolve(handle)))
 
     def offer(self, version: int, arrays: Arrays | Callable[[], Arrays],
               hold: Callable[[int], Any] | None = None) -> bool:

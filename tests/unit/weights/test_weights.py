@@ -346,3 +346,43 @@ def test_offers_overtaken_while_a_slow_copy_runs_are_skipped_and_the_newest_is_s
     assert len(fetched) <= 4 and fetched[-1] == 8, fetched  # overtaken offers were not fetched
     assert held == fetched  # each taken version was held before its copy
     assert len(set(switched) - {0}) >= 1  # generation moved on while versions kept coming
+
+
+@pytest.mark.ray
+def test_the_long_poll_does_not_fetch_a_version_an_offer_is_still_fetching(ray_local, monkeypatch):
+    """The long poll answers a version an offer has not brought within its grace; it read the weights
+    before looking whether the version was taken, so an offer's fetch slower than the grace (a large
+    model from another node) was transferred twice. The poll's answer is now read only if taken."""
+    import ray
+
+    from streamrl.runtime.clients import create_actor, remote_fetch
+    from streamrl.weights.actor import WeightsActor
+
+    weights = create_actor(WeightsActor, "lazy-poll-test", "weights", max_concurrency=4)
+    try:
+        ray.get(weights.publish.remote(0, [ray.put({"w": np.zeros(4, np.float32)})]))
+        receiver = WeightReceiver(remote_fetch(weights, 0, grace_s=0.2))
+        assert receiver.fetch_now(timeout=5.0)  # version 0, the first, by the long poll
+        new = ray.put({"w": np.ones(4, np.float32)})
+        ray.get(weights.publish.remote(1, [new]))
+        reads, real_get = [], ray.get
+
+        def counting_get(refs, *args, **kwargs):
+            if isinstance(refs, ray.ObjectRef) and refs == new:
+                reads.append(threading.current_thread().name)
+            return real_get(refs, *args, **kwargs)
+
+        monkeypatch.setattr(ray, "get", counting_get)
+
+        def slow_fetch():  # the offer's fetch outlasts the poll's grace
+            time.sleep(0.6)
+            return ray.get(new)
+
+        offer = threading.Thread(target=receiver.offer, args=(1, slow_fetch), name="offer")
+        offer.start()
+        time.sleep(0.05)
+        assert not receiver.fetch_now(timeout=3.0)  # answered after the grace, the version already taken
+        offer.join()
+        assert reads == ["offer"] and receiver.status()["staged"] == 1
+    finally:
+        ray.kill(weights)
