@@ -197,7 +197,10 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
     model_dir = getattr(tokenizer, "name_or_path", "")
     path = Path(model_dir, "generation_config.json")
     if model_dir and path.is_file():
-        listed = json.loads(path.read_text()).get("eos_token_id")
+        try:
+            listed = json.loads(path.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError) as exc:  # not JSON, or JSON but not an object
+            raise ValueError(f"{path} is not a JSON object ({exc})") from exc
         listed = [listed] if isinstance(listed, int) else listed if listed is not None else []
         if not isinstance(listed, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
                                                    for i in listed):

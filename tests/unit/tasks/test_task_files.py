@@ -169,3 +169,6 @@ def test_generation_stops_at_every_eos_token_the_model_lists(files, tiny_model_d
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
     with pytest.raises(ValueError, match="generation_config.json: eos_token_id must be a token id"):
         make_task(section(files), tokenizer, search_path=str(files))
+    (model_dir / "generation_config.json").write_text('{"eos_token_id": [5,')
+    with pytest.raises(ValueError, match="generation_config.json is not a JSON object"):
+        make_task(section(files), tokenizer, search_path=str(files))
