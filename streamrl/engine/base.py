@@ -63,8 +63,8 @@ class EngineWeights(Protocol):
 
 def accept_offer(weights: EngineWeights, version: int, handle: Any, hold: Callable[[int], Any]) -> bool:
     """A version the trainer offered: staged by `weights` if it takes offers and the version is newer,
-    and only then recorded as held (`hold(version)`, the registry's, after the fetch, before the copy), so that the long
-    poll does not fetch it too. True when taken."""
+    and only then recorded as held (`hold(version)`, the registry's, after the fetch, before the copy),
+    so that the long poll does not fetch it too. True when taken."""
     return weights.offer(version, handle, hold)
 
 

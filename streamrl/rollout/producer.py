@@ -105,7 +105,7 @@ class _Group:
         self.ticket, self.prompt, self.started = ticket, prompt, started
         self.first_version = first_version  # the weights its first tokens come from: the group's behaviour version
         self.samples: dict[int, Sample] = {}
-        self.ended: float | None = None  # wall time its last sample ended (scored later, on another thread)
+        self.ended = 0.0  # wall time its last sample ended, set in the decode loop (scored later, on another thread)
 
 
 @dataclass
@@ -262,7 +262,7 @@ class RolloutProducer:
         self.stats.samples += len(samples)
         return pack_groups([g.ticket for g in groups], [g.prompt for g in groups], generation, rewards,
                            group_size=self.group_size, producer_id=self.producer_id,
-                           t_start=min(g.started for g in groups), t_end=max(g.ended or time.time() for g in groups))
+                           t_start=min(g.started for g in groups), t_end=max(g.ended for g in groups))
 
     # ---- the control plane ---------------------------------------------------------------------------
     def _free_groups(self) -> int:

@@ -44,7 +44,7 @@ def load_state_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> 
         target = state[name]
         if tuple(target.shape) != array.shape:
             raise ValueError(f"weight {name}: shape {array.shape} does not match the model's {tuple(target.shape)}")
-        if _kind(target.dtype) != _kind_of_array(array.dtype):
+        if _number_kind(target.dtype) != _number_kind(array.dtype):
             raise TypeError(f"weight {name}: {array.dtype} values cannot be loaded into the model's {target.dtype}")
     for name, tensor in zip(arrays, read_only_tensors(arrays, list(arrays))):
         state[name].copy_(tensor)
@@ -59,12 +59,11 @@ def _tied_names(state: Mapping[str, torch.Tensor]) -> list[list[str]]:
     return list(tied.values())
 
 
-def _kind(dtype: torch.dtype) -> str:
-    return "float" if dtype.is_floating_point else "bool" if dtype == torch.bool else "integer"
-
-
-def _kind_of_array(dtype: np.dtype) -> str:
-    return {"f": "float", "b": "bool", "i": "integer", "u": "integer"}.get(dtype.kind, dtype.kind)
+def _number_kind(dtype: torch.dtype | np.dtype) -> str:
+    """"f", "b" or "i" (signed or not) of a torch or numpy dtype: what a copy between them keeps."""
+    if isinstance(dtype, torch.dtype):
+        return "f" if dtype.is_floating_point else "b" if dtype == torch.bool else "i"
+    return "i" if dtype.kind == "u" else dtype.kind
 
 
 def read_only_tensors(arrays: Mapping[str, np.ndarray], names: list[str]) -> list[torch.Tensor]:
