@@ -3,12 +3,14 @@
     python -m benchmarks.weights --out benchmarks/results/weights.json
 
 For each size and producer count, in the same run:
-  publish_fetch_s  the trainer's path (`WeightPublisher`: put once, announce to the weights actor, offer to
-                   every subscribed producer) until every producer has them in its process (fetched, before
-                   its copy into the standby model, which `ready_s` includes) — the real path
+  publish_fetch_s  the trainer's path (`WeightPublisher`: up to 64 MB written into shared memory and announced
+                   to every producer with a datagram, as to producers on the trainer's machine in a run; larger
+                   versions put once, announced to the weights actor and offered to every producer over Ray)
+                   until every producer has them in its process (mapped, or fetched from the object store,
+                   before its copy into the standby model, which `ready_s` includes) — the real path
   put_get_s        one `ray.put` of the same bytes and one `ray.get` in another process (the limit)
   fanout_s         one `ray.put` and one call to each of as many bare reader processes as there are producers,
-                   each reading it: the least it costs to reach that many processes on this machine
+                   each reading it: the least it costs to reach that many processes through Ray
   ready_s          until every producer can switch to them (double-buffered: after the copy into the
                    standby model, which overlaps generation)
   stall_s          what a producer pays at its next decode-step boundary to switch to them, the only
@@ -29,11 +31,15 @@ from rich.console import Console
 from rich.table import Table
 
 from harness.benchreport import BASELINES, Target, finish
+from streamrl.engine.base import accept_offer
+from streamrl.engine.local_weights import LocalWeights
+from streamrl.runtime.actors import shared_weights_listener
 from streamrl.runtime.clients import OFFER_GRACE_S, RemoteHold, create_actor, remote_fetch
 from streamrl.runtime.connect import start_local
 from streamrl.sim.workload import SimWorkload
 from streamrl.weights.actor import WeightPublisher, WeightsActor
 from streamrl.weights.receiver import WeightReceiver
+from streamrl.weights.shared_memory import SharedAddress
 
 RUN = "bench-weights"
 TARGET_RATIO = 1.5  # publish to 4 producers within 1.5 x one put-and-get of the same bytes
@@ -58,6 +64,13 @@ class Subscriber:
         self.receiver = WeightReceiver(remote_fetch(weights, producer_id, grace_s=OFFER_GRACE_S), poll_s=1.0,
                                        standby=model() if double_buffer else None)
         self.receiver.start()
+        self.local = LocalWeights(self.model, self.receiver)
+        # as ProducerActor does
+        self.shared = shared_weights_listener(self.local, self.hold, ray.get_runtime_context().get_node_id())
+        self.shared.start()
+
+    def address(self) -> SharedAddress:
+        return self.shared.address
 
     def arrival(self, version: int, timeout: float = 120.0) -> tuple[float, float]:
         """(fetched, ready to switch) wall times of `version`."""
@@ -66,14 +79,15 @@ class Subscriber:
         return self.receiver.fetched_at, self.receiver.staged_at
 
     def offer_weights(self, version: int, weights: list) -> None:  # as ProducerActor.offer_weights (torch engine)
-        self.receiver.offer(version, lambda: ray.get(weights[0]), hold=self.hold)  # as LocalWeights.offer
+        accept_offer(self.local, version, weights, self.hold)
 
     def apply(self) -> float:
         started = time.perf_counter()
-        self.model, _ = self.receiver.apply(self.model)
+        self.local.refresh()
         return time.perf_counter() - started
 
     def stop(self) -> None:
+        self.shared.stop()
         self.receiver.stop()
 
 
@@ -92,7 +106,7 @@ def measure(nbytes: int, producers: int, repeats: int, double_buffer: bool) -> d
                    for i in range(producers)]
     publisher = WeightPublisher(weights)
     for i, subscriber in enumerate(subscribers):
-        publisher.subscribe(i, subscriber)
+        publisher.subscribe(i, subscriber, ray.get(subscriber.address.remote()))
     reader = ray.remote(num_cpus=0)(Reader).remote()
     fanout = [ray.remote(num_cpus=0)(Reader).remote() for _ in range(producers)]
     try:
@@ -126,6 +140,7 @@ def measure(nbytes: int, producers: int, repeats: int, double_buffer: bool) -> d
                 fanned.append(fanned_s)
         ray.get([s.stop.remote() for s in subscribers])
     finally:
+        publisher.close()
         for actor in (weights, reader, *subscribers, *fanout):
             ray.kill(actor)
     publish_s, put_get_s = float(np.median(publish)), float(np.median(put_get))
@@ -141,7 +156,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/weights.json"))
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 256, 1024])
     parser.add_argument("--producers", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7,
+                        help="timed rounds per configuration, their median reported (with 3, the 1 MB ratio moved 2x "
+                             "between runs)")
     parser.add_argument("--in-place", action="store_true",
                         help="producers copy new weights into the live model (default: double-buffered swap)")
     parser.add_argument("--baseline", type=Path, help="report to compare with (default: the stored baseline)")

@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +33,12 @@ from streamrl.buffer.actor import NAMESPACE, fetch_table, get_queue_actor
 from streamrl.buffer.queue import OPERATOR_HOLD, QueueClosed
 from streamrl.config import RunConfig
 from streamrl.engine.base import accept_offer
+from streamrl.engine.local_weights import LocalWeights
 from streamrl.rollout.producer import ProducerCounters
 from streamrl.runtime.build import make_engine, make_learner
 from streamrl.runtime.clients import RemoteHold, RemoteQueue, actor_name
 from streamrl.weights.actor import WeightPublisher
+from streamrl.weights.shared_memory import SharedAddress, SharedWeightsListener
 
 if TYPE_CHECKING:  # the type only: the shell needs none of the trainers' modules
     from streamrl.trainer.learner import Learner
@@ -48,6 +50,18 @@ def _reward_failures(task: Any) -> dict[str, Any]:
     """A file task's failed rewards (counts by kind, the last few messages); built-in rewards cannot fail."""
     return {"reward_failures": getattr(task, "reward_failures", dict)(),
             "reward_failures_recent": getattr(task, "recent_reward_failures", list)()}
+
+
+def shared_weights_listener(weights: Any, hold: Callable[[int], Any], node: str) -> SharedWeightsListener | None:
+    """A listener for versions through shared memory, for an engine whose weights live in this process and
+    are fetched in the background (torch, sim); None for the others (sglang: its servers load them).
+    `node`: this process's Ray node id."""
+    if not isinstance(weights, LocalWeights) or weights.receiver is None:
+        return None
+    receiver = weights.receiver
+    return SharedWeightsListener(lambda version, arrays: accept_offer(weights, version, arrays, hold),
+                                 node=node, copy=not receiver.double_buffered,
+                                 on_error=receiver.fail)
 
 
 class ProducerActor:
@@ -72,6 +86,7 @@ class ProducerActor:
                                         max_staleness=cfg.queue.untrainable_after)
         self._stop = threading.Event()
         self._hold = RemoteHold(self.weights, producer_id)  # called under the engine's staging lock: one at a time
+        self._shared = shared_weights_listener(engine.weights, self._hold, ray.get_runtime_context().get_node_id())
         log.info("producer %s started (pid %s): %s engine, capacity %s sequences, seed %s", producer_id, os.getpid(),
                  cfg.producers.engine, engine.capacity, seed)
 
@@ -82,13 +97,17 @@ class ProducerActor:
         """Generate until `stop()` or until the queue closes; returns the producer's statistics. Leaving
         releases the weights version this producer held."""
         try:
-            ray.get(self.trainer.subscribe.remote(self.producer.producer_id,
-                                                  ray.get_runtime_context().current_actor))
+            if self._shared is not None:
+                self._shared.start()
+            ray.get(self.trainer.subscribe.remote(self.producer.producer_id, ray.get_runtime_context().current_actor,
+                                                  None if self._shared is None else self._shared.address))
             self.producer.run(self._stop)
         except QueueClosed:
             pass  # the run is ending: the queue closed while this producer waited for a slot or committed
         finally:
             try:
+                if self._shared is not None:
+                    self._shared.stop()
                 self.producer.engine.close()  # sglang: its servers and update groups
             finally:
                 ray.get(self.weights.drop_holder.remote(self.producer.producer_id), timeout=30)
@@ -108,8 +127,11 @@ class ProducerActor:
 
     def status(self) -> ProducerStatus:
         engine, task = self.producer.engine, self.producer.task
+        weights = engine.weights.status()
+        if self._shared is not None:  # versions that came through shared memory, and those overwritten first
+            weights |= {"shared_received": self._shared.received, "shared_skipped": self._shared.skipped}
         return ProducerStatus(producer_id=self.producer.producer_id, counters=copy.copy(self.producer.stats),
-                              weights=engine.weights.status(), capacity=engine.capacity,
+                              weights=weights, capacity=engine.capacity,
                               stalls=list(self.producer.stalls), blocked_by=self.producer.last_blocked_by,
                               **_reward_failures(task))
 
@@ -190,9 +212,11 @@ class TrainerShell:
         """Make a step that is still waiting for groups return None (a step already training finishes)."""
         self._cancel.set()
 
-    def subscribe(self, producer_id: int, producer: ray.actor.ActorHandle) -> None:
-        """A producer asks for every new version to be offered to it directly (`WeightPublisher`)."""
-        self.publisher.subscribe(producer_id, producer)
+    def subscribe(self, producer_id: int, producer: ray.actor.ActorHandle,
+                  shared: SharedAddress | None = None) -> None:
+        """A producer asks for every new version to be offered to it directly (`WeightPublisher`), through
+        shared memory if it gave an address and runs on this machine."""
+        self.publisher.subscribe(producer_id, producer, shared)
 
     def publish(self) -> int:
         """Hand the current weights out and return at once: no producer is waited for (the previous

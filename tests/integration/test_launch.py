@@ -46,6 +46,8 @@ def test_a_launch_writes_the_run_directory(finished):
     assert summary["stopped_by"] == "steps" and summary["steps"] == 8 and summary["staleness_bound_held"]
     on_disk = json.loads((run_dir.path / "summary.json").read_text())
     assert on_disk["steps"] == 8 and set(on_disk["learned"]) and len(on_disk["producers"]) == 2
+    # the producers run on the trainer's machine: versions reach them through shared memory, not Ray offers
+    assert all(p["shared_received"] > 0 for p in on_disk["producers"])
     groups = run_dir.read("groups.jsonl")
     prompts = [p for g in groups for p in g["prompt_ids"]]
     assert len(prompts) == len(set(prompts)) == 8 * 4  # every consumed group is a different prompt

@@ -1,3 +1,4 @@
+import dataclasses
 import threading
 import time
 
@@ -386,3 +387,65 @@ def test_the_long_poll_does_not_fetch_a_version_an_offer_is_still_fetching(ray_l
         assert reads == ["offer"] and receiver.status()["staged"] == 1
     finally:
         ray.kill(weights)
+
+
+@pytest.mark.ray
+def test_producers_on_the_trainers_machine_get_versions_through_shared_memory(ray_local):
+    """A producer that gave a shared-memory address on this machine gets each version without a Ray call;
+    once its socket is gone it gets Ray offers; one on another machine only ever gets Ray offers."""
+    import ray
+
+    from streamrl.runtime.clients import create_actor
+    from streamrl.weights.actor import WeightPublisher, WeightsActor
+
+    @ray.remote(num_cpus=0, max_concurrency=3)
+    class Producer:
+        def __init__(self):
+            from streamrl.engine.local_weights import LocalWeights
+            from streamrl.runtime.actors import shared_weights_listener
+
+            def model():
+                module = torch.nn.Module()
+                module.w = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+                return module
+
+            self.weights = LocalWeights(model(), WeightReceiver(lambda have, timeout: None, standby=model()))
+            self.held, self.ray_offers = [], []
+            self.listener = shared_weights_listener(self.weights, self.held.append,
+                                                    ray.get_runtime_context().get_node_id())
+            self.listener.start()
+
+        def address(self):
+            return self.listener.address
+
+        def offer_weights(self, version, weights):
+            self.ray_offers.append(version)
+            self.weights.offer(version, weights, self.held.append)
+
+        def loaded(self, version):
+            assert self.weights.wait_newer(version - 1, 10.0)
+            self.weights.refresh()
+            return self.weights.version, float(self.weights.model.w[0]), list(self.ray_offers), list(self.held)
+
+        def stop_listening(self):
+            self.listener.stop()
+
+    weights = create_actor(WeightsActor, "shared-offer-test", "weights", max_concurrency=4)
+    local, remote = Producer.remote(), Producer.remote()
+    publisher = WeightPublisher(weights)
+    try:
+        publisher.subscribe(0, local, ray.get(local.address.remote()))
+        elsewhere = dataclasses.replace(ray.get(remote.address.remote()), node="another-node")
+        publisher.subscribe(1, remote, elsewhere)
+        publisher.publish(1, {"w": np.ones(4, np.float32)})
+        assert ray.get(local.loaded.remote(1)) == (1, 1.0, [], [1])  # no Ray offer: through shared memory
+        assert ray.get(remote.loaded.remote(1)) == (1, 1.0, [1], [1])
+        ray.get(local.stop_listening.remote())
+        publisher.publish(2, {"w": np.full(4, 2.0, np.float32)})
+        assert ray.get(local.loaded.remote(2)) == (2, 2.0, [2], [1, 2])  # its socket gone: a Ray offer
+        publisher.publish(3, {"w": np.full(4, 3.0, np.float32)})
+        assert ray.get(local.loaded.remote(3))[:3] == (3, 3.0, [2, 3])
+    finally:
+        publisher.close()
+        for actor in (weights, local, remote):
+            ray.kill(actor)
