@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -78,6 +79,8 @@ class WeightPublisher:
         self._node: str | None = None
         self._pending: list[tuple[int, ray.actor.ActorHandle, ray.ObjectRef]] = []  # offers not yet returned
         self._announced: ray.ObjectRef | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._background: Future | None = None  # the object store's side of the last shared-memory publication
 
     def subscribe(self, producer_id: int, producer: ray.actor.ActorHandle,
                   shared: SharedAddress | None = None) -> None:
@@ -90,10 +93,28 @@ class WeightPublisher:
                 self._shared[producer_id] = shared
 
     def publish(self, version: int, arrays: dict[str, np.ndarray]) -> None:
-        """Put `arrays` (a copy: the caller may change its weights at once) and hand `version` out."""
+        """Hand `version` out (`arrays` are copied: the caller may change its weights at once)."""
+        if self._background is not None:
+            self._background.result()  # had a whole step to finish; its error is raised here
+            self._background = None
         if self._announced is not None:
-            ray.get(self._announced)  # had a whole step to finish; keeps versions in order
-        reached = self._publish_shared(version, arrays)  # first: no Ray call between the trainer and them
+            ray.get(self._announced)  # keeps versions in order
+        slot, reached = self._publish_shared(version, arrays)  # first: no Ray call between the trainer and them
+        if slot is None:
+            self._publish_through_ray(version, arrays, reached)
+            return
+        # The object store's copy (the registry's, and the offers to any other producers) is made from the
+        # slot while the trainer goes on: made here, it competed for the cores with the producers' copies out
+        # of shared memory (32 MB in the sim: the trainer's publish took 30-45 ms instead of 6-15). The slot
+        # is not written again before the next publish, which waits for this one.
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="weights-put")
+        self._background = self._executor.submit(self._publish_through_ray, version, self._writer.views(slot),
+                                                 reached)
+
+    def _publish_through_ray(self, version: int, arrays: dict[str, np.ndarray], reached: set[int]) -> None:
+        """Put `arrays` once, offer them to the subscribers not `reached` through shared memory, announce them
+        to the weights actor."""
         ref = ray.put(arrays)
         with self._lock:  # the offers first: they are what producers wait for, the announcement is not
             offers = [(pid, producer, producer.offer_weights.remote(version, [ref]))
@@ -103,12 +124,13 @@ class WeightPublisher:
         with self._lock:
             self._pending += offers
 
-    def _publish_shared(self, version: int, arrays: dict[str, np.ndarray]) -> set[int]:
-        """Write `version` into shared memory and announce it to the producers reading it; those reached."""
+    def _publish_shared(self, version: int, arrays: dict[str, np.ndarray]) -> tuple[Any, set[int]]:
+        """Write `version` into shared memory and announce it to the producers reading it: (the slot, those
+        reached); (None, none) when no producer reads shared memory or the version is too large for it."""
         with self._lock:
             shared = dict(self._shared)
         if not shared or sum(a.nbytes for a in arrays.values()) > SHARED_MAX_BYTES:
-            return set()
+            return None, set()
         if self._writer is None:
             self._writer = SharedWeightsWriter()
         slot = self._writer.write(version, arrays)
@@ -117,13 +139,22 @@ class WeightPublisher:
             for pid in set(shared) - reached:
                 if self._shared.get(pid) is shared[pid]:
                     del self._shared[pid]
-        return reached
+        return slot, reached
 
     def close(self) -> None:
-        """Free the shared memory (producers keep what they mapped until they let it go)."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Finish the last publication, free the shared memory (producers keep what they mapped until they
+        let it go)."""
+        try:
+            if self._background is not None:
+                self._background.result()
+        finally:
+            self._background = None
+            if self._executor is not None:
+                self._executor.shutdown()
+                self._executor = None
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
 
     def _check_offers(self) -> None:
         with self._lock:

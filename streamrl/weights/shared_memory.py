@@ -124,6 +124,14 @@ class SharedWeightsWriter:
         self._slots.append(slot)
         return slot
 
+    def views(self, slot: _Slot) -> dict[str, np.ndarray]:
+        """Read-only views of the version `slot` holds (valid until the next `write`: this process takes
+        no lock against itself)."""
+        arrays = read_slot(slot.buffer, slot.version, {})
+        if arrays is None:
+            raise RuntimeError(f"the slot holds no version {slot.version}")
+        return arrays
+
     def _free_slot(self, size: int) -> _Slot:
         """A slot of at least `size` bytes that no reader holds, locked; the oldest such one."""
         for slot in list(self._slots):
@@ -186,7 +194,7 @@ class SharedWeightsListener:
         self._socket.settimeout(0.2)  # how soon `stop` is seen
         self.address = SharedAddress(node=node, name=name, token=secrets.token_bytes(16))
         self._mapped: OrderedDict[tuple[int, int], _Mapped] = OrderedDict()  # (device, inode) → slot
-        self._manifests: dict[bytes, list] = {}
+        self._manifests: dict[bytes, list] = {}  # the last manifest read, parsed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.received = self.skipped = 0
@@ -235,7 +243,7 @@ class SharedWeightsListener:
         slot = self._map(fds[0])
         fcntl.lockf(slot.fd, fcntl.LOCK_SH)  # waits while the trainer writes into this slot
         try:
-            arrays = self._read(slot.buffer, version)
+            arrays = read_slot(slot.buffer, version, self._manifests)
             if arrays is None:  # overwritten by a newer version, announced after this one
                 self.skipped += 1
                 return False
@@ -261,18 +269,22 @@ class SharedWeightsListener:
             self._mapped.popitem(last=False)[1].close()
         return mapped
 
-    def _read(self, buffer: mmap.mmap, version: int) -> dict[str, np.ndarray] | None:
-        written, manifest_bytes = _HEADER.unpack_from(buffer, 0)
-        if written != version:
-            return None
-        raw = bytes(buffer[_HEADER.size:_HEADER.size + manifest_bytes])
-        manifest = self._manifests.get(raw)
-        if manifest is None:
-            self._manifests = {raw: json.loads(raw)}  # one model per run: the last manifest is enough
-            manifest = self._manifests[raw]
-        start, arrays = _aligned(_HEADER.size + manifest_bytes), {}
-        for name, dtype, shape, offset in manifest:
-            dtype = np.dtype(dtype)
-            count = int(np.prod(shape, dtype=np.int64))
-            arrays[name] = np.frombuffer(buffer, dtype, count, start + offset).reshape(shape)
-        return arrays
+
+def read_slot(buffer: mmap.mmap, version: int, manifests: dict[bytes, list]) -> dict[str, np.ndarray] | None:
+    """Views of the arrays of `version` in a slot (None: the slot holds another version now). `manifests`
+    keeps the last manifest parsed (one model per run), so a version costs no JSON parsing."""
+    written, manifest_bytes = _HEADER.unpack_from(buffer, 0)
+    if written != version:
+        return None
+    raw = bytes(buffer[_HEADER.size:_HEADER.size + manifest_bytes])
+    manifest = manifests.get(raw)
+    if manifest is None:
+        manifests.clear()
+        manifest = manifests[raw] = json.loads(raw)
+    start, arrays = _aligned(_HEADER.size + manifest_bytes), {}
+    for name, dtype, shape, offset in manifest:
+        count = int(np.prod(shape, dtype=np.int64))
+        array_ = np.frombuffer(buffer, np.dtype(dtype), count, start + offset).reshape(shape)
+        array_.flags.writeable = False  # the writer's mapping is writable; nothing may change a published version
+        arrays[name] = array_
+    return arrays

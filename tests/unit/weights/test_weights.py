@@ -449,3 +449,37 @@ def test_producers_on_the_trainers_machine_get_versions_through_shared_memory(ra
         publisher.close()
         for actor in (weights, local, remote):
             ray.kill(actor)
+
+
+@pytest.mark.ray
+def test_a_failed_announcement_of_a_shared_memory_version_is_raised_by_the_next_publish(ray_local):
+    """With producers reading shared memory, the object store's copy and the announcement to the weights
+    actor are made in the background: their failure still reaches the trainer, at its next publish."""
+    import ray
+
+    from streamrl.runtime.clients import create_actor
+    from streamrl.weights.actor import WeightPublisher, WeightsActor
+    from streamrl.weights.shared_memory import SharedWeightsListener
+
+    weights = create_actor(WeightsActor, "shared-announce-test", "weights", max_concurrency=4)
+    offers = []
+    listener = SharedWeightsListener(lambda version, arrays: offers.append(version),
+                                     node=ray.get_runtime_context().get_node_id())
+    listener.start()
+    publisher = WeightPublisher(weights)
+    try:
+        publisher.subscribe(0, None, listener.address)  # reached through shared memory only: no actor needed
+        publisher.publish(1, {"w": np.ones(4, np.float32)})
+        publisher.publish(2, {"w": np.full(4, 2.0, np.float32)})
+        assert ray.get(weights.status.remote())["latest"] >= 1  # announced in the background
+        ray.kill(weights)
+        with pytest.raises(ray.exceptions.RayActorError):  # 2's announcement, or 3's, found it dead
+            publisher.publish(3, {"w": np.full(4, 3.0, np.float32)})
+            publisher.publish(4, {"w": np.full(4, 4.0, np.float32)})
+        deadline = time.time() + 10
+        while len(offers) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        assert offers[:2] == [1, 2]
+    finally:
+        listener.stop()
+        publisher.close()
