@@ -92,7 +92,9 @@ class _Slot:
         fcntl.lockf(self.fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
-        self.buffer.close()
+        # The mapping is dropped, not closed: it goes with the last view of it (one may live on in an
+        # exception's traceback, and closing a mapping with views raises).
+        del self.buffer
         os.close(self.fd)
 
 
@@ -112,6 +114,10 @@ class SharedWeightsWriter:
         manifest, offsets, size = _layout(arrays)
         slot = self._free_slot(size)
         try:
+            # No version while it is written: a write that fails halfway leaves no half of one behind a
+            # header a late announcement of the slot's previous version would still match.
+            _HEADER.pack_into(slot.buffer, 0, -1, 0)
+            slot.version = None
             for offset, array_ in zip(offsets, arrays.values()):
                 target = np.frombuffer(slot.buffer, array_.dtype, array_.size, offset)
                 np.copyto(target.reshape(array_.shape), array_, casting="no")
@@ -175,7 +181,7 @@ class _Mapped:
         self.buffer = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
 
     def close(self) -> None:
-        self.buffer.close()
+        del self.buffer  # as `_Slot.close`
         os.close(self.fd)
 
 

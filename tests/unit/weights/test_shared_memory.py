@@ -1,3 +1,4 @@
+import socket
 import subprocess
 import sys
 import threading
@@ -199,3 +200,16 @@ def test_an_engine_loads_the_version_announced_even_once_its_slot_is_overwritten
     finally:
         listener.stop()
         writer.close()
+
+
+def test_a_write_that_fails_halfway_leaves_no_version_in_its_slot(channel):
+    writer, listener, offers = channel
+    slot = writer.write(1, _arrays(1.0))
+    writer.announce(listener.address, 1, slot)  # read only after the failed write below
+    broken = {**_arrays(2.0), "steps": np.array(object())}  # the same slot, copied until "steps"
+    with pytest.raises(ValueError, match="OBJECT"):
+        writer.write(2, broken)
+    assert writer.slots == 1
+    message, fds, _, _ = socket.recv_fds(listener._socket, 64, 1)  # what the listener's thread does
+    assert listener.receive(message, fds) is False  # version 1's half-overwritten slot is not read
+    assert offers.seen == [] and listener.skipped == 1
