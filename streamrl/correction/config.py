@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from streamrl.correction.losses import LOSSES, NEEDS_PROXIMAL, PolicyBatch
+if TYPE_CHECKING:
+    import torch
 
-LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 class LossConfig(BaseModel):
@@ -61,6 +61,8 @@ class LossConfig(BaseModel):
     @property
     def needs_proximal(self) -> bool:
         """Whether the trainer must compute p (one extra no-grad forward per step)."""
+        from streamrl.correction.losses import NEEDS_PROXIMAL  # torch: the config is read where it is not
+
         return NEEDS_PROXIMAL[self.name]
 
 
@@ -79,9 +81,11 @@ _PARAMS = {
 
 def make_loss(config: LossConfig) -> LossFn:
     """`fn(batch: PolicyBatch, *, denominator=None, trainer_version=None) -> (loss, metrics)`."""
+    from streamrl.correction.losses import LOSSES
+
     params = {key: getattr(config, key) for key in _PARAMS[config.name]}
     return partial(LOSSES[config.name], aggregation=config.aggregation, kl_coef=config.kl_coef,
                    kl_estimator=config.kl_estimator, **params)
 
 
-__all__ = ["LossConfig", "LossFn", "PolicyBatch", "make_loss"]
+__all__ = ["LossConfig", "make_loss"]

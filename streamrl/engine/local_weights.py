@@ -1,4 +1,5 @@
-"""Weights an engine holds in its own process (a torch module): the torch and simulated engines.
+"""Weights an engine holds in its own process: a torch module (the torch engine) or an `ArrayModel` (the
+simulated engine).
 
 A `WeightReceiver` fetches newer versions in the background; `refresh()` switches to one at a decode-step
 boundary (a pointer swap when double-buffered) and reports how long generation was held up. Without a
@@ -9,16 +10,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from streamrl.weights.arrays import resolve
 from streamrl.weights.receiver import WeightReceiver
 
+if TYPE_CHECKING:
+    import torch
+
+    from streamrl.weights.arrays import ArrayModel
+
 
 class LocalWeights:
-    def __init__(self, model: torch.nn.Module, receiver: WeightReceiver | None = None, *, version: int | None = 0):
+    def __init__(self, model: torch.nn.Module | ArrayModel, receiver: WeightReceiver | None = None, *,
+                 version: int | None = 0):
         self.model = model
         self.receiver = receiver
         self.version = receiver.version if receiver is not None else version

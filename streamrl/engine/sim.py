@@ -6,9 +6,10 @@
                        sequence has one more token, stamped with the weights' version; returns the
                        sequences that ended
 ```
-Everything around it is real: the weights it holds (`weights.model`) are a tensor of `weights_mb` that
-the producer's receiver really copies and swaps, and its samples become real Arrow batches. Pacing is by deadline:
-a step starts when the previous one ended, or when the host asks if it is more than a step late.
+Everything around it is real: the weights it holds (`weights.model`) are an array of `weights_mb` that
+the producer's receiver really copies and swaps (numpy, not torch: a simulated process never imports
+torch), and its samples become real Arrow batches. Pacing is by deadline: a step starts when the
+previous one ended, or when the host asks if it is more than a step late.
 """
 
 from __future__ import annotations
@@ -18,19 +19,17 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import torch
 
 from streamrl.buffer.schema import LENGTH, STOP
 from streamrl.engine.base import Sample
 from streamrl.engine.local_weights import LocalWeights
 from streamrl.sim.workload import SimWorkload
+from streamrl.weights.arrays import ArrayModel
 
 
-def weights_module(workload: SimWorkload) -> torch.nn.Module:
-    """The simulated policy's weights: one float32 tensor of `weights_mb`."""
-    module = torch.nn.Module()
-    module.weight = torch.nn.Parameter(torch.zeros(int(workload.weights_mb * 2**20) // 4), requires_grad=False)
-    return module
+def weights_module(workload: SimWorkload) -> ArrayModel:
+    """The simulated policy's weights: one float32 array of `weights_mb`."""
+    return ArrayModel({"weight": np.zeros(int(workload.weights_mb * 2**20) // 4, dtype=np.float32)})
 
 
 class SimEngine:

@@ -314,17 +314,17 @@ class TrainerActor(TrainerShell):
                  search_path: str | None = None, rank_group: Any = None, reference_dir: str | None = None):
         """`model_dir`: the weights to train from (a checkpoint's when resuming); `reference_dir`: the run's
         initial weights, the reference policy of a KL penalty (default: `model_dir`)."""
-        import torch
-
         from streamrl.tasks import make_task
 
         logs.setup_actor_logging()
         cfg = self.config = RunConfig.model_validate(config)
-        if cfg.trainer.backend != "sim":  # the simulator's processes never import transformers
+        if cfg.trainer.backend != "sim":  # the simulator's processes import neither torch nor transformers
+            import torch
+
             from streamrl.models.hf import quiet_transformers
 
             quiet_transformers()
-        torch.set_num_threads(cfg.trainer.threads)
+            torch.set_num_threads(cfg.trainer.threads)
         trainer = make_learner(run_name, cfg, config, model_dir, resume_dir, rank_group,
                                 reference_dir=reference_dir or model_dir)
         if resume_dir is not None:

@@ -86,12 +86,9 @@ def _torch_engine(cfg: RunConfig, producer_id: int, model_dir: str, seed: int, w
 
 
 def _sim_engine(cfg: RunConfig, producer_id: int, seed: int, weights: ray.actor.ActorHandle) -> tuple[Engine, Task]:
-    import torch
-
     from streamrl.engine.sim import SimEngine, weights_module
     from streamrl.tasks.sim import SimTask
 
-    torch.set_num_threads(1)
     work = cfg.sim_workload()
     model = weights_module(work)
     return SimEngine(work, LocalWeights(model, _receiver(cfg, producer_id, weights, model)), seed=seed), SimTask(work)

@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 
 from streamrl.engine.sim import weights_module
 from streamrl.sim.workload import SimWorkload
@@ -36,8 +35,7 @@ class SimLearner:
         prompt_tokens = int(pc.sum(pc.list_value_length(table.column("prompt_ids"))).as_py())
         time.sleep(response_tokens * self.seconds_per_token)
         self.version += 1
-        with torch.no_grad():
-            self.model.weight[0] = self.version  # new contents each version, as after a real optimizer step
+        self.model.arrays["weight"][0] = self.version  # new contents each version, as after a real optimizer step
         return {"response_tokens": response_tokens, "trained_tokens": response_tokens + prompt_tokens,
                 "samples": table.num_rows, "train_s": time.perf_counter() - started}
 

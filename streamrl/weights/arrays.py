@@ -1,20 +1,33 @@
 """Model weights as a dict of numpy arrays: how they cross the Ray object store (numpy is zero-copy
 there; torch tensors are pickled and 2–6× slower). Tied parameters appear once. No transformers
-import here, so processes that only receive weights start quickly."""
+import here, and torch only once a torch module is handed in: the simulated engine and trainer hold
+their weights as an `ArrayModel`, so their processes start without importing torch (~4 s of CPU each)."""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
-def state_arrays(model: torch.nn.Module, *, copy: bool = True) -> dict[str, np.ndarray]:
+class ArrayModel:
+    """Weights held as numpy arrays, for engines with no arithmetic (the simulator): published, copied
+    into and swapped exactly as a torch module's are (`state_arrays`, `load_state_arrays`)."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]):
+        self.arrays = arrays
+
+
+def state_arrays(model: torch.nn.Module | ArrayModel, *, copy: bool = True) -> dict[str, np.ndarray]:
     """The model's parameters and buffers as numpy arrays, each tied tensor once. `copy=False` gives
     views of the live tensors: only for a consumer that copies at once (`ray.put` does)."""
+    if isinstance(model, ArrayModel):
+        return {name: array.copy() if copy else array for name, array in model.arrays.items()}
     arrays: dict[str, np.ndarray] = {}
     seen: set[int] = set()
     for name, tensor in model.state_dict().items():
@@ -26,18 +39,32 @@ def state_arrays(model: torch.nn.Module, *, copy: bool = True) -> dict[str, np.n
     return arrays
 
 
-@torch.no_grad()
-def load_state_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
+def load_state_arrays(model: torch.nn.Module | ArrayModel, arrays: dict[str, np.ndarray]) -> None:
     """Copy published weights into `model` in place. Every tensor of `arrays` must match one of the model's
     by name, shape and kind of number (a float array may change precision: float32 into bf16), and every
     tensor of the model must be there once (tied tensors through any of their names): a version missing
     one would leave that tensor at the previous version while every token is stamped with the new one.
     Checked before anything is copied, so a refused version leaves the model as it was."""
+    if isinstance(model, ArrayModel):
+        _check(arrays, model.arrays, [[name] for name in model.arrays])
+        for name, array in arrays.items():
+            np.copyto(model.arrays[name], array, casting="unsafe")
+        return
+    import torch
+
     state = model.state_dict()
+    _check(arrays, state, _tied_names(state))
+    with torch.no_grad():
+        for name, tensor in zip(arrays, read_only_tensors(arrays, list(arrays))):
+            state[name].copy_(tensor)
+
+
+def _check(arrays: Mapping[str, np.ndarray], state: Mapping[str, Any], tied: list[list[str]]) -> None:
+    """`arrays` can be loaded into `state` (tensors or arrays; `tied`: names of one storage together)."""
     unknown = sorted(set(arrays) - set(state))
     if unknown:
         raise KeyError(f"published weights hold tensors the model does not have: {unknown[:5]}")
-    missing = [names[0] for names in _tied_names(state) if not any(name in arrays for name in names)]
+    missing = [names[0] for names in tied if not any(name in arrays for name in names)]
     if missing:
         raise KeyError(f"published weights lack tensors of the model: {missing[:5]}")
     for name, array in arrays.items():
@@ -46,8 +73,6 @@ def load_state_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> 
             raise ValueError(f"weight {name}: shape {array.shape} does not match the model's {tuple(target.shape)}")
         if _number_kind(target.dtype) != _number_kind(array.dtype):
             raise TypeError(f"weight {name}: {array.dtype} values cannot be loaded into the model's {target.dtype}")
-    for name, tensor in zip(arrays, read_only_tensors(arrays, list(arrays))):
-        state[name].copy_(tensor)
 
 
 def _tied_names(state: Mapping[str, torch.Tensor]) -> list[list[str]]:
@@ -61,7 +86,9 @@ def _tied_names(state: Mapping[str, torch.Tensor]) -> list[list[str]]:
 
 def _number_kind(dtype: torch.dtype | np.dtype) -> str:
     """"f", "b" or "i" (signed or not) of a torch or numpy dtype: what a copy between them keeps."""
-    if isinstance(dtype, torch.dtype):
+    if not isinstance(dtype, np.dtype):  # a torch dtype
+        import torch
+
         return "f" if dtype.is_floating_point else "b" if dtype == torch.bool else "i"
     return "i" if dtype.kind == "u" else dtype.kind
 
@@ -69,6 +96,8 @@ def _number_kind(dtype: torch.dtype | np.dtype) -> str:
 def read_only_tensors(arrays: Mapping[str, np.ndarray], names: list[str]) -> list[torch.Tensor]:
     """Tensors over the arrays `names`, without a copy where they are contiguous: for reading only
     (arrays from the object store are read-only, which torch warns of)."""
+    import torch
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*not writable.*")
         return [torch.from_numpy(np.ascontiguousarray(arrays[name])) for name in names]

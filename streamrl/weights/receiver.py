@@ -22,12 +22,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from streamrl.weights.arrays import load_state_arrays, resolve
+
+if TYPE_CHECKING:
+    import torch
+
+    from streamrl.weights.arrays import ArrayModel
 
 Arrays = dict[str, np.ndarray]
 # fetch(have, timeout): newer weights than `have`, waiting up to `timeout` seconds for them (a long poll):
@@ -38,7 +42,7 @@ SWAP_WAIT_S = 0.5  # how long a new version waits for the generating thread to s
 
 class WeightReceiver:
     def __init__(self, fetch: Fetch, *, version: int | None = None, poll_s: float = 0.05,
-                 standby: torch.nn.Module | None = None):
+                 standby: torch.nn.Module | ArrayModel | None = None):
         self._fetch = fetch
         self._poll_s = poll_s
         self._cond = threading.Condition()
@@ -140,7 +144,7 @@ class WeightReceiver:
         ready = self._standby_version
         return self._stop.is_set() or ready is None or (self.version is not None and ready <= self.version)
 
-    def apply(self, model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
+    def apply(self, model: torch.nn.Module | ArrayModel) -> tuple[torch.nn.Module | ArrayModel, int]:
         """The model to generate with from this decode step on, and its version (newer if any is ready)."""
         if self.error is not None:
             raise RuntimeError("fetching weights failed") from self.error
@@ -156,7 +160,7 @@ class WeightReceiver:
             raise RuntimeError("no weights were published yet")
         return model, self.version
 
-    def _swap(self, live: torch.nn.Module) -> torch.nn.Module:
+    def _swap(self, live: torch.nn.Module | ArrayModel) -> torch.nn.Module | ArrayModel:
         ready = self._standby_version
         if ready is None or (self.version is not None and ready <= self.version):
             return live

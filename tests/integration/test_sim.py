@@ -1,8 +1,11 @@
 """The simulated workload, its engine, the one producer driving the real queue over it, and the
 simulator as a backend of `streamrl launch`."""
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -205,3 +208,38 @@ def test_the_models_own_schedule_rates_bound_what_a_run_can_reach():
     flat = SimWorkload(p99_ratio=1.0).schedule_rates(batches=20)  # no tail: sync loses only the overlap
     assert flat["async"] / flat["sync"] == pytest.approx(2.0, rel=0.1)
     assert SimWorkload(p99_ratio=16).schedule_rates(batches=100)["sync"] < rates["sync"]
+
+
+SIMULATED_PROCESSES = """
+import sys
+import pyarrow
+from streamrl.config import load_config
+import streamrl.runtime.actors  # what Ray imports in every producer and trainer process
+from streamrl.runtime.build import make_engine, make_learner
+from streamrl.tasks import make_task
+
+cfg = load_config("launch/sim.toml", ["sim.weights_mb=1.0", "sim.time_scale=0.001"])
+learner = make_learner("sim", cfg, cfg.model_dump(), "", None, None, reference_dir="")
+engine, task = make_engine(cfg, run_name="sim", producer_id=0, model_dir="", seed=0, weights=None)
+trainer_task = make_task(cfg.task, learner.tokenizer, seed=0, sim=cfg.sim_workload())
+for step in range(2):  # as a producer does: weights first, then generation, then the trainer's next version
+    assert engine.weights.offer(learner.version, learner.weights(), lambda version: None)
+    engine.weights.refresh()
+    assert engine.weights.version == learner.version
+    assert engine.weights.model.arrays["weight"][0] == learner.version
+    engine.add(step, task.prompt(step), 2)
+    while engine.active:
+        finished = engine.step()
+    assert (finished[-1].versions == learner.version).all()
+    learner.train(pyarrow.table({"prompt_ids": [[1, 2]], "response_ids": [finished[-1].tokens.tolist()]}))
+imported = sorted({"torch", "transformers", "safetensors"} & set(sys.modules))
+assert not imported, f"the simulated processes imported {imported}"
+"""
+
+
+def test_the_simulated_engine_and_trainer_run_without_importing_torch():
+    """Seven processes import torch at once on start-up otherwise: ~14 s of each `streamrl launch` of the
+    simulator on two cores, five times in `streamrl bench pipeline --engine sim`."""
+    done = subprocess.run([sys.executable, "-c", SIMULATED_PROCESSES], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]

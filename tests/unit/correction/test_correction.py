@@ -346,3 +346,14 @@ def test_topr_imitates_better_samples_and_tapers_worse_ones_by_their_sequence_ra
     worse = adv[:, 0] < 0
     assert bool(worse.any()) and bool((adv[:, 0] > 0).any())  # the case has both kinds
     assert float(w[0, 0]) < 1.0 and float(w.max()) <= 1.0 and float(metrics["ess"]) <= 1.0
+
+
+def test_the_package_names_resolve_on_first_use():
+    """`streamrl.correction` imports its modules lazily, so that reading a config does not import torch."""
+    import streamrl.correction as correction
+
+    assert sorted(correction.__all__) == sorted(correction._HOME)
+    for name in correction.__all__:
+        assert getattr(correction, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        correction.nothing  # noqa: B018
