@@ -27,7 +27,7 @@ from streamrl.sim.workload import SimWorkload
 from streamrl.weights.arrays import ArrayModel
 
 
-def weights_module(workload: SimWorkload) -> ArrayModel:
+def sim_weights(workload: SimWorkload) -> ArrayModel:
     """The simulated policy's weights: one float32 array of `weights_mb`."""
     return ArrayModel({"weight": np.zeros(int(workload.weights_mb * 2**20) // 4, dtype=np.float32)})
 
@@ -38,7 +38,7 @@ class SimEngine:
         """`weights`: what follows the trainer (default: the workload's weights, fixed at version 0)."""
         self.workload = workload
         self.capacity = workload.sequences_per_producer
-        self.weights = weights if weights is not None else LocalWeights(weights_module(workload), version=0)
+        self.weights = weights if weights is not None else LocalWeights(sim_weights(workload), version=0)
         self._rng = np.random.default_rng(seed)
         self._sleep, self._clock = sleep, clock
         self._steps = 0

@@ -86,11 +86,11 @@ def _torch_engine(cfg: RunConfig, producer_id: int, model_dir: str, seed: int, w
 
 
 def _sim_engine(cfg: RunConfig, producer_id: int, seed: int, weights: ray.actor.ActorHandle) -> tuple[Engine, Task]:
-    from streamrl.engine.sim import SimEngine, weights_module
+    from streamrl.engine.sim import SimEngine, sim_weights
     from streamrl.tasks.sim import SimTask
 
     work = cfg.sim_workload()
-    model = weights_module(work)
+    model = sim_weights(work)
     return SimEngine(work, LocalWeights(model, _receiver(cfg, producer_id, weights, model)), seed=seed), SimTask(work)
 
 

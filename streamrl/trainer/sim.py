@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from streamrl.engine.sim import weights_module
+from streamrl.engine.sim import sim_weights
 from streamrl.sim.workload import SimWorkload
 from streamrl.weights.arrays import state_arrays
 
@@ -26,7 +26,7 @@ class SimLearner:
     def __init__(self, workload: SimWorkload, version: int = 0):
         self.workload = workload
         self.version = version
-        self.model = weights_module(workload)
+        self.model = sim_weights(workload)
         self.seconds_per_token = workload.calibrated_train_s_per_token() * workload.time_scale
 
     def train(self, table: pa.Table) -> dict[str, float]:

@@ -14,7 +14,7 @@ from streamrl.buffer import QueueConfig, ReplayQueue, validate_batch
 from streamrl.buffer.queue import assemble
 from streamrl.buffer.schema import LENGTH, STOP
 from streamrl.engine.local_weights import LocalWeights
-from streamrl.engine.sim import SimEngine, weights_module
+from streamrl.engine.sim import SimEngine, sim_weights
 from streamrl.rollout import RolloutProducer
 from streamrl.sim.workload import SimWorkload
 from streamrl.tasks.sim import SimTask
@@ -67,8 +67,8 @@ def test_engine_stamps_each_token_with_the_version_of_its_step_and_sleeps_the_mo
 
 def make_producer(queue, registry, work=FAST, producer_id=0, max_staleness=None):
     receiver = WeightReceiver(lambda have, timeout: registry.acquire(producer_id, have, timeout), poll_s=0.05,
-                              standby=weights_module(work))
-    engine = SimEngine(work, LocalWeights(weights_module(work), receiver), seed=producer_id)
+                              standby=sim_weights(work))
+    engine = SimEngine(work, LocalWeights(sim_weights(work), receiver), seed=producer_id)
     return RolloutProducer(producer_id, queue=queue, engine=engine, task=SimTask(work), group_size=work.group_size,
                            max_staleness=max_staleness, admit_timeout=0.02)
 
