@@ -7,7 +7,7 @@ torch: the simulated engine and trainer run without it.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 _HOME = {
     "broadcast_to_tokens": "advantages", "grpo_advantages": "advantages", "rloo_advantages": "advantages",
@@ -17,11 +17,7 @@ _HOME = {
                                    "ppo_bypass", "reinforce", "tis", "topr")},
 }
 
-__all__ = [
-    "LOSSES", "LossConfig", "PolicyBatch", "broadcast_to_tokens", "decoupled_ppo", "grpo_advantages",
-    "gspo", "m2po", "make_loss", "masked_is", "naive", "ppo_bypass", "reinforce", "rloo_advantages", "tis",
-    "token_entropy", "token_logprobs", "topr",
-]
+__all__ = sorted(_HOME)
 
 
 def __getattr__(name: str) -> Any:
@@ -35,21 +31,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return __all__
 
-
-if TYPE_CHECKING:
-    from streamrl.correction.advantages import broadcast_to_tokens, grpo_advantages, rloo_advantages
-    from streamrl.correction.config import LossConfig, make_loss
-    from streamrl.correction.logprobs import token_entropy, token_logprobs
-    from streamrl.correction.losses import (
-        LOSSES,
-        PolicyBatch,
-        decoupled_ppo,
-        gspo,
-        m2po,
-        masked_is,
-        naive,
-        ppo_bypass,
-        reinforce,
-        tis,
-        topr,
-    )

@@ -240,6 +240,6 @@ assert not imported, f"the simulated processes imported {imported}"
 def test_the_simulated_engine_and_trainer_run_without_importing_torch():
     """Seven processes import torch at once on start-up otherwise: ~14 s of each `streamrl launch` of the
     simulator on two cores, five times in `streamrl bench pipeline --engine sim`."""
-    done = subprocess.run([sys.executable, "-c", SIMULATED_PROCESSES], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, "-c", SIMULATED_PROCESSES], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
