@@ -5,16 +5,19 @@
 Every figure is measured in the same run, so the ratios (put/get against memcpy, the queue's Ray path
 against a plain `ray.put` + `ray.get` of the same bytes between the same two processes) hold on a noisy
 shared machine. Batches are 4,096 samples of ~512 response tokens (lengths drawn from 384-640). The
-Ray path is the producers' own: `RemoteQueue.commit` (the batch left in the producer's outbox, taken
-by the queue actor as the return value of its call), then the trainer's `get` and `fetch_table`; it and
-the plain put + get take turns over several rounds, and `ray_vs_put_get` is the median of the rounds'
-own ratios (one round of each, one after the other, varied 0.34-0.79 between runs on the 2-core machine).
+Ray path is the producers' own: `RemoteQueue.commit` from `COMMIT_THREADS` threads, as a producer
+commits (each batch left in the producer's outbox, taken by the queue actor as the return value of its
+call), then the trainer's `get` and `fetch_table`; `ray_gbps_one_commit` is the same path with one
+commit in flight. The three take turns over several rounds, and `ray_vs_put_get` is the median of the
+rounds' own ratios (one round of each, one after the other, varied 0.34-0.79 between runs on the 2-core
+machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +29,7 @@ from harness.benchreport import BASELINES, Target, finish
 from harness.synthetic import synthetic_batch
 from streamrl.buffer import QueueConfig, ReplayQueue, assemble
 from streamrl.buffer.actor import create_queue_actor, fetch_table
+from streamrl.rollout.producer import COMMIT_THREADS
 from streamrl.runtime.clients import RemoteQueue
 from streamrl.runtime.connect import start_local
 
@@ -84,7 +88,7 @@ def bench_admit(seconds: float) -> dict:
     return {"admit_per_s": single, "admit_slots_per_s_batched": slots / (time.perf_counter() - t0)}
 
 
-@ray.remote(num_cpus=0, max_concurrency=2)
+@ray.remote(num_cpus=0, max_concurrency=1 + COMMIT_THREADS)  # `produce`, and the queue's take of each commit
 class _Producer:
     """A producer's commit path without the generation (the client a producer actor uses)."""
 
@@ -104,19 +108,20 @@ class _Producer:
             self.batches.append(synthetic_batch(tickets, GROUP, prompt_len=(32, 96), response_len=(384, 640),
                                                 vocab_size=151_936, rng=rng))
 
-    def produce(self) -> int:
-        for batch in self.batches:
-            self.client.commit(batch)
-        return sum(batch.nbytes for batch in self.batches)
+    def produce(self, in_flight: int) -> list[int]:
+        """Commit the prepared batches, `in_flight` at a time; their sizes in bytes."""
+        with ThreadPoolExecutor(in_flight) as commit_threads:
+            list(commit_threads.map(self.client.commit, self.batches))
+        return [batch.nbytes for batch in self.batches]
 
     def put_and_read(self, reader) -> float:
-        """The limit: each batch `ray.put` here and `ray.get` in the trainer's process; seconds after the
+        """The limit: each batch `ray.put` here and `ray.get` in the trainer's process; GB/s after the
         first batch (as `consume` measures)."""
         started = None
         for batch in self.batches:
             ray.get(reader.read.remote([ray.put(batch)]))
             started = started or time.perf_counter()
-        return time.perf_counter() - started
+        return sum(batch.nbytes for batch in self.batches[1:]) / (time.perf_counter() - started) / 1e9
 
     def admit_rate(self, seconds: float, per_call: int) -> float:
         slots, t0 = 0, time.perf_counter()
@@ -148,29 +153,39 @@ class _Trainer:
 
 
 def bench_ray(batches: int, seconds: float, rounds: int) -> dict:
-    """Admission over Ray, then `rounds` rounds of the two transfers, alternated so that both see the same
-    machine (it is shared and noisy): `batches` + 1 batches through the queue, then the same batches by a
-    plain put + get. Medians over the rounds, and the median of each round's own ratio."""
+    """Admission over Ray, then `rounds` rounds of the transfers, alternated so that all see the same
+    machine (it is shared and noisy): `batches` + 1 batches through the queue as a producer commits them,
+    again with one commit in flight, then the same batches by a plain put + get. Medians over the rounds,
+    and the median of each round's own ratio."""
     start_local(2, log_to_driver=False)
     try:
         queue = create_queue_actor("bench-buffer", big_config())
         producer, trainer = _Producer.remote(queue), _Trainer.remote(queue)
         ray.get([producer.admit_rate.remote(0.2, 64)])  # warm both actors up
         slots_per_s = ray.get(producer.admit_rate.remote(seconds, 64))
-        queued, plain = [], []
-        for round_ in range(rounds):
+        version = 0
+
+        def through_queue(in_flight: int) -> float:
+            nonlocal version
             ray.get(producer.prepare.remote(batches + 1))
-            consumed = trainer.consume.remote(batches + 1, round_ * (batches + 1))
-            sent = ray.get(producer.produce.remote())
+            consumed = trainer.consume.remote(batches + 1, version)
+            sizes = ray.get(producer.produce.remote(in_flight))
             rows, elapsed = ray.get(consumed)
+            version += batches + 1
             if rows != SAMPLES * (batches + 1):
                 raise RuntimeError(f"the trainer received {rows} rows of {SAMPLES * (batches + 1)} sent")
-            per_batch = sent / (batches + 1)
-            queued.append(per_batch * batches / elapsed / 1e9)
-            plain.append(per_batch * batches / ray.get(producer.put_and_read.remote(trainer)) / 1e9)
+            return sum(sizes[1:]) / elapsed / 1e9  # the clock starts at the first batch
+
+        queued, one_commit, plain = [], [], []
+        for _ in range(rounds):
+            queued.append(through_queue(COMMIT_THREADS))
+            one_commit.append(through_queue(1))
+            plain.append(ray.get(producer.put_and_read.remote(trainer)))
         return {"ray_admit_slots_per_s": slots_per_s, "ray_gbps": float(np.median(queued)),
-                "ray_put_get_gbps": float(np.median(plain)),
-                "ray_vs_put_get": float(np.median(np.divide(queued, plain))), "ray_rounds": rounds}
+                "ray_gbps_one_commit": float(np.median(one_commit)), "ray_put_get_gbps": float(np.median(plain)),
+                "ray_vs_put_get": float(np.median(np.divide(queued, plain))),
+                "ray_one_commit_vs_put_get": float(np.median(np.divide(one_commit, plain))),
+                "ray_commits_in_flight": COMMIT_THREADS, "ray_rounds": rounds}
     finally:
         ray.shutdown()
 

@@ -21,13 +21,15 @@ from typing import Any
 
 from streamrl.buffer.config import QueueConfig
 from streamrl.config import ConfigError, RunConfig
+from streamrl.rollout.producer import COMMIT_THREADS
 
 # Fields a resumed run may not change: they define the data already generated and the model trained
 # (run.seed draws each prompt id's prompt: changed, the prompts given back and the rest of the stream
 # would be other prompts, some already trained on).
 FROZEN_ON_RESUME = ("model", "task", "run.seed", "queue.group_size", "queue.groups_per_step", "trainer.backend",
                     "trainer.tensor_parallel", "trainer.pipeline_parallel")  # the optimizer state is saved per shard
-PRODUCER_CONCURRENCY = 5  # a producer's run; the queue's take_batch; the trainer's offers; status; stop
+# A producer's run; the queue's take_batch of each commit in flight; the trainer's offers; status; stop.
+PRODUCER_CONCURRENCY = 4 + COMMIT_THREADS
 READY_TIMEOUT_S = 300.0  # every actor's constructor (sglang producers add their servers' start-up)
 
 

@@ -162,11 +162,14 @@ def test_a_group_that_outlived_its_ticket_is_dropped_and_the_producer_goes_on(ti
 
     monkeypatch.setattr(producer, "_pack", slow_first_pack)
     with running(producer) as errors:
-        got = queue.get(3, timeout=30)
-    assert not errors and got is not None
+        steps = [queue.get(3, timeout=30) for _ in range(2)]
+    assert not errors and None not in steps
     assert producer.stats.expired_groups >= slowed[0] >= 1
     assert queue.status()["abandoned"] >= slowed[0]  # their prompts went back and were generated again
-    assert sorted(g.prompt_id for g in got.groups)[0] == 0
+    # At version 0 the staleness budget admits 6 live groups in all, a prompt given back is admitted again
+    # before any new one, and its slot is free again: the 6 trained groups include prompt 0, whichever
+    # groups a slow machine let expire (the first 3 need not: others may have been committed first).
+    assert 0 in [g.prompt_id for step in steps for g in step.groups]
 
 
 def test_groups_certain_to_exceed_the_budget_are_stopped_when_weights_move_on(tiny_model_dir):
