@@ -43,10 +43,11 @@ from streamrl.tasks import Task, group_rewards
 
 log = logging.getLogger(__name__)
 
-# Commits in flight at once. A commit over Ray is three hops around two copies' worth of work (this
-# process writing the batch into the object store, the queue validating it): with two, the queue
-# validates one batch while the next is written (`streamrl bench buffer`: 0.42 -> 0.49 of a plain
-# put + get). The queue accepts commits in any order (it serves groups by version and ticket).
+# Commits in flight at once. A commit over Ray is three hops around two passes over the batch (this
+# process writing it into the object store, the queue validating it): with two in flight the queue
+# validates one batch while the next is written (`streamrl bench buffer`: 0.37-0.44 of a plain put + get
+# with one, 0.45-0.52 with two; three measured no better on two cores). The queue takes commits in any
+# order: it serves groups by version and ticket, not by arrival.
 COMMIT_THREADS = 2
 
 
