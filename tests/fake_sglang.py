@@ -84,7 +84,7 @@ class State:
         self.args = args
         self.model = ToyModel(args.vocab_size, args.seed)
         self.token_delay_s, self.update_delay_s = args.token_delay_s, args.update_delay_s
-        self.calls_log = args.calls_log  # every POST appended as a line "PORT PATH", for tests after the run
+        self.calls_log = args.calls_log  # every POST appended as a line "PORT PATH" (see log_call)
         self.cond = threading.Condition()
         self.paused = False  # the tokenizer's gate: new requests wait while it is set
         self.released = False
@@ -95,6 +95,13 @@ class State:
         self.next_rid = 0
         self.groups: dict = {}  # group name -> [torch process group of each TP rank]
         self.weights: dict = {}  # name -> tensor received by broadcast or tensor handle
+
+
+def log_call(state: State, what: str) -> None:
+    """A line "PORT WHAT" of the calls log (`--calls-log`), for tests to read after a run."""
+    if state.calls_log:
+        with open(state.calls_log, "a") as log:
+            log.write(f"{state.args.port} {what}\n")
 
 
 def generate(state: State, body: dict) -> tuple[int, dict]:
@@ -109,12 +116,16 @@ def generate(state: State, body: dict) -> tuple[int, dict]:
     stop_ids = set(params.get("stop_token_ids") or [])
     temperature = float(params.get("temperature", 1.0))
     with state.cond:
-        if state.released:
-            raise ValueError("memory is released: resume_memory_occupation first")
         rid = body.get("rid") or f"fake-{state.next_rid}"
         state.next_rid += 1
-        state.cond.wait_for(lambda: not state.paused)  # the tokenizer's gate: no abort reaches a request here
+        # The tokenizer's gate: no abort reaches a request here. sglang holds a request that arrives while its
+        # memory is released at this gate like any other (the client pauses before it releases, and a request
+        # it sent before the pause may arrive after the release); it checks nothing about the memory.
+        state.cond.wait_for(lambda: not state.paused)
+        if state.released:  # let through while the memory is away: sglang's scheduler would run it without any
+            raise ValueError("memory is released: resume_memory_occupation first")
         state.running[rid] = False
+        log_call(state, "generate:scheduled")  # past the gate (the calls log has its arrival as "/generate")
     rng = random.Random(f"{params.get('sampling_seed', 0)}/{rid}/{len(ids)}")
     context, out, logprobs, finish = list(ids), [], [], {"type": "length", "length": max_new}
     try:
@@ -452,9 +463,7 @@ def serve(args) -> None:
                 if "serialized_named_tensors" in body:  # the payload's size, not its bytes
                     recorded["serialized_named_tensors"] = [len(e) for e in body["serialized_named_tensors"]]
                 state.calls.append({"path": self.path, "t": time.time(), "body": recorded})
-                if state.calls_log:
-                    with open(state.calls_log, "a") as log:
-                        log.write(f"{args.port} {self.path}\n")
+                log_call(state, self.path)
             try:
                 status, payload = handle(state, self.path, body)
             except (ValueError, KeyError, RuntimeError, pickle.UnpicklingError) as exc:  # RuntimeError: torch's

@@ -608,6 +608,30 @@ def test_the_stand_in_ends_itself_when_released_while_a_request_runs(io, server)
     assert len(lost) == 1
 
 
+def test_a_request_that_reaches_a_released_server_waits_at_its_pause_gate_as_in_sglang(server):
+    """sglang's tokenizer holds a request that arrives while generation is paused, whatever the memory
+    (the client pauses before it releases, and a request it sent before the pause can arrive after the
+    release): it runs once the server is resumed and continued. One let through while the memory is away
+    (continued before resumed) is refused: sglang's scheduler would run it without any."""
+    client, result = SglangClient(server.url), {}
+    client.pause_generation()
+    client.flush_cache()
+    client.release_memory_occupation()
+    waiting = threading.Thread(target=lambda: result.update(got=client.generate([1], max_new_tokens=3)))
+    waiting.start()
+    time.sleep(0.3)
+    assert waiting.is_alive() and not result  # held at the gate, not refused
+    client.resume_memory_occupation()
+    client.continue_generation()
+    waiting.join(timeout=10)
+    assert len(result["got"].tokens) == 3
+    client.pause_generation()
+    client.release_memory_occupation()
+    client.continue_generation()  # the client's bug this stand-in catches: generation let through, memory away
+    with pytest.raises(SglangError, match="memory is released"):
+        client.generate([1], max_new_tokens=3)
+
+
 def test_the_stand_in_changes_the_weights_then_refuses_a_flush_it_cannot_do(io, server, weights_dir):
     engine = SglangEngine(SglangClient(server.url), io)
     worker, _ = start_sample(engine, [1], max_new_tokens=300)
