@@ -29,7 +29,7 @@ known before the loss is computed, so micro-batches and data-parallel ranks give
 count as `denominator` add up to the whole-batch loss (AReaL's and slime's convention).
 
 Safety: every log-ratio is clamped to ±`LOG_RATIO_CLAMP` before `exp`; tokens whose behaviour (or
-proximal) log-prob is not finite are masked and counted; an all-masked batch gives a zero loss whose
+proximal, or current) log-prob is not finite are masked and counted; an all-masked batch gives a zero loss whose
 gradients are zero, never NaN. Metrics are detached 0-d tensors (no device sync here).
 """
 
@@ -61,19 +61,21 @@ def _exp_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
-def _prepare(batch: PolicyBatch, *, needs_proximal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Valid mask and finite stand-ins for b and p (masked tokens take θ's value: ratio 1, no NaN)."""
-    theta = batch.logprobs
+def _prepare(batch: PolicyBatch, *, needs_proximal: bool
+             ) -> tuple[PolicyBatch, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The batch with θ made finite, the valid mask, and finite stand-ins for b and p. A masked token's
+    θ, b and p are all 0 (ratio 1): a stand-in taken from a non-finite θ made every ratio NaN, and NaN
+    survives masking by product. `torch.where` sends no gradient to the values it did not pick."""
     if needs_proximal and batch.proximal_logprobs is None:
         raise ValueError("this loss needs proximal_logprobs (the trainer's log-probs before the step)")
-    valid = batch.mask.bool() & torch.isfinite(batch.behavior_logprobs) & torch.isfinite(theta.detach())
+    valid = batch.mask.bool() & torch.isfinite(batch.behavior_logprobs) & torch.isfinite(batch.logprobs.detach())
     prox = batch.proximal_logprobs
     if prox is not None:
         valid &= torch.isfinite(prox)
-    stand_in = theta.detach()
-    behavior = torch.where(valid, batch.behavior_logprobs, stand_in)
-    proximal = torch.where(valid, prox, stand_in) if prox is not None else None
-    return valid, behavior, proximal
+    theta = torch.where(valid, batch.logprobs, 0.0)
+    behavior = torch.where(valid, batch.behavior_logprobs, 0.0)
+    proximal = torch.where(valid, prox, 0.0) if prox is not None else None
+    return batch._replace(logprobs=theta), valid, behavior, proximal
 
 
 def _truncated_weight(is_log_ratio: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +96,7 @@ def _ppo_term(log_ratio: torch.Tensor, adv: torch.Tensor, clip_low: float,
 def _aggregate(per_token: torch.Tensor, kept: torch.Tensor, mask: torch.Tensor, aggregation: Aggregation,
                denominator: float | None) -> torch.Tensor:
     """Sum of the kept tokens' losses over the count of `mask`'s tokens or rows (see the module docstring)."""
-    masked = per_token * kept.to(per_token.dtype)  # per_token is finite everywhere, so masking by product is safe
+    masked = torch.where(kept, per_token, 0.0)  # not a product: 0 · NaN is NaN
     response = mask.to(per_token.dtype)
     if aggregation == "token_mean":
         return masked.sum() / (denominator if denominator is not None else response.sum().clamp(min=1.0))
@@ -107,7 +109,7 @@ def _aggregate(per_token: torch.Tensor, kept: torch.Tensor, mask: torch.Tensor, 
 
 
 def _masked_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    return (x * valid).sum() / valid.sum().clamp(min=1)
+    return torch.where(valid, x, 0.0).sum() / valid.sum().clamp(min=1)
 
 
 def _finish(per_token: torch.Tensor, batch: PolicyBatch, valid: torch.Tensor, *, is_log_ratio: torch.Tensor,
@@ -172,7 +174,8 @@ def _mismatch(is_log_ratio: torch.Tensor, current: torch.Tensor) -> dict[str, to
 
 def _kl_penalty(theta: torch.Tensor, ref: torch.Tensor, valid: torch.Tensor,
                 estimator: Literal["k1", "k3"]) -> torch.Tensor:
-    log_ratio = torch.where(valid, ref, theta.detach()) - theta  # log(π_ref / π_θ)
+    # log(π_ref / π_θ); 0 where the reference's log-prob is not finite: that token gets no penalty
+    log_ratio = torch.where(valid & torch.isfinite(ref), ref, theta.detach()) - theta
     if estimator == "k1":
         return -log_ratio
     if estimator == "k3":
@@ -189,7 +192,7 @@ def decoupled_ppo(batch: PolicyBatch, *, clip_low: float = 0.2, clip_high: float
                   aggregation: Aggregation = "token_mean", denominator: float | None = None, kl_coef: float = 0.0,
                   kl_estimator: Literal["k1", "k3"] = "k3", trainer_version: int | None = None):
     """AReaL's decoupled objective: PPO trust region around p, truncated IS weight from b to p."""
-    valid, b, p = _prepare(batch, needs_proximal=True)
+    batch, valid, b, p = _prepare(batch, needs_proximal=True)
     is_log_ratio = p - b
     w, truncated = _truncated_weight(is_log_ratio, is_cap)
     term, clipped, _ = _ppo_term(batch.logprobs - p, batch.advantages, clip_low, clip_high)
@@ -202,7 +205,7 @@ def ppo_bypass(batch: PolicyBatch, *, clip_low: float = 0.2, clip_high: float = 
                aggregation: Aggregation = "token_mean", denominator: float | None = None, kl_coef: float = 0.0,
                kl_estimator: Literal["k1", "k3"] = "k3", trainer_version: int | None = None):
     """PPO clipped against the behaviour policy directly (no proximal forward pass)."""
-    valid, b, _ = _prepare(batch, needs_proximal=False)
+    batch, valid, b, _ = _prepare(batch, needs_proximal=False)
     term, clipped, _ = _ppo_term(batch.logprobs - b, batch.advantages, clip_low, clip_high)
     is_log_ratio = batch.logprobs.detach() - b
     return _finish(term, batch, valid, is_log_ratio=is_log_ratio, weights=torch.ones_like(term),
@@ -215,7 +218,7 @@ def tis(batch: PolicyBatch, *, is_cap: float = 2.0, aggregation: Aggregation = "
         trainer_version: int | None = None):
     """Truncated importance sampling: the IS-weighted policy gradient with the weight from b to p
     capped at C, and no trust-region clip."""
-    valid, b, p = _prepare(batch, needs_proximal=True)
+    batch, valid, b, p = _prepare(batch, needs_proximal=True)
     is_log_ratio = p - b
     w, truncated = _truncated_weight(is_log_ratio, is_cap)
     per_token = -w * _exp_ratio(batch.logprobs - p) * batch.advantages
@@ -247,7 +250,7 @@ def masked_is(batch: PolicyBatch, *, level: Level = "token", lo: float = 0.5, hi
     is outside [lo, hi]; weight the rest by the ratio (`reweight`) or by 1 (pure rejection)."""
     if not 0 <= lo <= 1 <= hi:
         raise ValueError(f"need 0 <= lo <= 1 <= hi, got lo={lo}, hi={hi}")
-    valid, b, p = _prepare(batch, needs_proximal=True)
+    batch, valid, b, p = _prepare(batch, needs_proximal=True)
     is_log_ratio = p - b
     rejected = _rejected(is_log_ratio, valid, level, lo, hi)
     if not reweight:
@@ -268,7 +271,7 @@ def reinforce(batch: PolicyBatch, *, is_cap: float = 2.0, aggregation: Aggregati
               denominator: float | None = None, kl_coef: float = 0.0, kl_estimator: Literal["k1", "k3"] = "k3",
               trainer_version: int | None = None):
     """REINFORCE with a truncated IS weight from b to θ (detached): −sg(min(e^(θ−b), C))·A·θ."""
-    valid, b, _ = _prepare(batch, needs_proximal=False)
+    batch, valid, b, _ = _prepare(batch, needs_proximal=False)
     is_log_ratio = batch.logprobs.detach() - b
     w, truncated = _truncated_weight(is_log_ratio, is_cap)
     per_token = -w * batch.advantages * batch.logprobs
@@ -281,7 +284,7 @@ def naive(batch: PolicyBatch, *, clip_low: float = 0.2, clip_high: float = 0.2,
           aggregation: Aggregation = "token_mean", denominator: float | None = None, kl_coef: float = 0.0,
           kl_estimator: Literal["k1", "k3"] = "k3", trainer_version: int | None = None):
     """No off-policy correction: PPO around p as if the data were on-policy. The baseline."""
-    valid, b, p = _prepare(batch, needs_proximal=True)
+    batch, valid, b, p = _prepare(batch, needs_proximal=True)
     term, clipped, _ = _ppo_term(batch.logprobs - p, batch.advantages, clip_low, clip_high)
     return _finish(term, batch, valid, is_log_ratio=p - b, weights=torch.ones_like(term), clipped=clipped,
                    truncated=None, rejected=None,
@@ -326,7 +329,7 @@ def m2po(batch: PolicyBatch, *, m2_tau: float = 0.04, cutoff: float | None = Non
     fixed for the step (θ = p at its first optimizer step, as the paper's θ/b), so that the mask is the
     whole batch's: the trainer computes `cutoff` over every micro-batch and rank (`m2po_cutoff`); called
     alone, the loss computes it from its own tokens."""
-    valid, b, p = _prepare(batch, needs_proximal=True)
+    batch, valid, b, p = _prepare(batch, needs_proximal=True)
     is_log_ratio = p - b
     values, region = m2po_values(is_log_ratio, batch.advantages, valid)
     if cutoff is None:
@@ -345,7 +348,7 @@ def gspo(batch: PolicyBatch, *, seq_clip_low: float = 3e-4, seq_clip_high: float
     each sequence's geometric-mean ratio s = e^(mean_t(θ − p)) with GSPO's small ε, and the behaviour
     correction is the sequence's truncated geometric-mean weight min(e^(mean_t(p − b)), C). A sequence
     is in or out of the trust region as a whole, however long; one stale token cannot dominate."""
-    valid, b, p = _prepare(batch, needs_proximal=True)
+    batch, valid, b, p = _prepare(batch, needs_proximal=True)
     count = valid.sum(-1, keepdim=True).clamp(min=1)
     seq_log_ratio = torch.where(valid, batch.logprobs - p, 0.0).sum(-1, keepdim=True) / count
     seq_is = torch.where(valid, p - b, 0.0).sum(-1, keepdim=True) / count
@@ -363,7 +366,7 @@ def topr(batch: PolicyBatch, *, aggregation: Aggregation = "token_mean", denomin
     are imitated at full weight, however stale (a right answer stays right); samples worse than it
     are pushed down with their sequence's ratio π_θ(y)/μ(y) truncated at 1 (no gradient through it),
     so a bad answer the current policy already avoids weighs little, and no weight ever exceeds 1."""
-    valid, b, _ = _prepare(batch, needs_proximal=False)
+    batch, valid, b, _ = _prepare(batch, needs_proximal=False)
     is_log_ratio = batch.logprobs.detach() - b
     sequence_ratio = _exp_ratio(torch.where(valid, is_log_ratio, 0.0).sum(-1, keepdim=True)).expand_as(b)
     positive = batch.advantages > 0

@@ -161,6 +161,43 @@ def test_extreme_inputs_give_finite_loss_and_gradients(extreme, name, kwargs):
         assert float(metrics["nonfinite_fraction"]) > 0
 
 
+@pytest.mark.parametrize("name,kwargs", VARIANTS)
+def test_a_non_finite_current_log_prob_is_masked_like_a_non_finite_behaviour_one(name, kwargs):
+    """θ = −inf where the mask is off changes nothing; θ = NaN inside it is the same as b = NaN there
+    (masked, counted in the denominator); a non-finite reference log-prob gets no KL penalty."""
+    theta, b, p, adv, mask = make_batch()
+    mask[0, 0], mask[1, 2] = False, True
+    ref = theta.detach() - 0.5
+
+    def run(t, b, ref):
+        t = t.detach().clone().requires_grad_()
+        loss, metrics = LOSSES[name](PolicyBatch(t, b, adv, mask, p, ref), kl_coef=0.1, **kwargs)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(t.grad).all()
+        assert all(torch.isfinite(v).all() for v in metrics.values()), metrics
+        return loss.detach(), t.grad, metrics
+
+    clean, clean_grad, _ = run(theta, b, ref)
+    off_mask = theta.detach().clone()
+    off_mask[0, 0] = -math.inf
+    loss, grad, _ = run(off_mask, b, ref)
+    torch.testing.assert_close(loss, clean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, clean_grad, rtol=1e-12, atol=1e-12)
+
+    nan_theta, nan_b = theta.detach().clone(), b.clone()
+    nan_theta[1, 2] = nan_b[1, 2] = math.nan
+    loss, grad, metrics = run(nan_theta, b, ref)
+    expected, expected_grad, _ = run(theta, nan_b, ref)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)
+    assert float(grad[1, 2]) == 0.0 and float(metrics["nonfinite_fraction"]) == pytest.approx(1 / float(mask.sum()))
+
+    nan_ref = ref.clone()
+    nan_ref[1, 2] = math.nan
+    _, grad, metrics = run(theta, b, nan_ref)
+    assert torch.isfinite(metrics["kl_ref"])
+
+
 def test_log_ratios_are_clamped_before_exp():
     theta, b, p, adv, mask = make_batch()
     _, _, metrics = grad_of("decoupled_ppo", theta, b - 1e4, p, adv, mask)
