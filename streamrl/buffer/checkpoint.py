@@ -152,9 +152,11 @@ def _upgraded(manifest: dict[str, Any]) -> dict[str, Any]:
 def load_queue(directory: str | Path, config: QueueConfig | None = None,
                wrap: Callable[[pa.RecordBatch], Any] | None = None) -> ReplayQueue:
     """Restore a queue saved by `save_queue`. `config` may change admission settings but not the
-    group size, and under `max_staleness = "auto"` its [auto_min, auto_max] must hold the saved η (the
-    staleness controller's own restore refuses one outside it too); `wrap` turns the restored batch into
-    the payload kept per group (Ray: ray.put)."""
+    group size or the groups per step (admission's bound counts the groups consumed so far against
+    (v + η + 1) · B: with another B the count no longer stands for v steps, and a larger B admitted a
+    burst of groups born over budget); under `max_staleness = "auto"` its [auto_min, auto_max] must hold
+    the saved η (the staleness controller's own restore refuses one outside it too); `wrap` turns the
+    restored batch into the payload kept per group (Ray: ray.put)."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     try:
@@ -163,6 +165,9 @@ def load_queue(directory: str | Path, config: QueueConfig | None = None,
         if config.group_size != saved_config.group_size:
             raise CheckpointError(
                 f"group_size {config.group_size} differs from the checkpoint's {saved_config.group_size}")
+        if config.groups_per_step != saved_config.groups_per_step:
+            raise CheckpointError(f"groups_per_step {config.groups_per_step} differs from the checkpoint's "
+                                  f"{saved_config.groups_per_step}")
         with pa.OSFile(str(directory / QUEUED_FILE), "rb") as source:
             table = pa.ipc.open_file(source).read_all()
         groups = _restore_groups(manifest, table, config, wrap)

@@ -111,7 +111,7 @@ class TrainGroups:
     version: int
     groups: list[QueuedGroup]
     staleness: list[int]
-    max_staleness: int  # η in force when they were handed out: the bound they were held to
+    max_staleness: int  # the bound they were held to: η in force, or a larger η one of them was admitted under
 
     def __reduce__(self):
         """Pickled as columns, each payload once: Ray pickles a return value through a Python hook it calls

@@ -184,7 +184,7 @@ class StepResult:
     reward_mean: float
     staleness_mean: float
     staleness_max: int
-    max_staleness: int  # η in force when the queue handed the groups out (moves with queue.max_staleness = "auto")
+    max_staleness: int  # the bound the groups were held to (TrainGroups.max_staleness; moves with η = "auto")
     trainer_wait_s: float  # waiting for the queue: what generation did not hide
     audit: GroupAudit
     metrics: dict[str, Any]  # the learner's (loss, clip and mask fractions, kl_by_lag, ...) and the step's phases

@@ -317,7 +317,7 @@ class Run:
             "running_groups": queue["running"],
             "admitted": queue["admitted"],
             "over_budget": queue["over_budget"],
-            "max_staleness": result.max_staleness,  # η in force when this step's groups were taken
+            "max_staleness": result.max_staleness,  # the bound this step's groups were held to (see TrainGroups)
         }
         decision, eta_before = None, None
         if self.auto is not None:

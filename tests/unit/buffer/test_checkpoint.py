@@ -101,13 +101,16 @@ def test_a_format_1_checkpoint_loads_with_its_pause_as_the_operators_hold(tmp_pa
     assert restored.status() == queue.status() and restored.holds == ["operator"]
 
 
-def test_config_may_change_but_not_the_group_size(tmp_path, rng):
+def test_config_may_change_but_not_the_group_size_or_the_groups_per_step(tmp_path, rng):
     queue, _ = busy_queue(rng)
     path = save_queue(queue, tmp_path / "ckpt")
     looser = QueueConfig(group_size=2, groups_per_step=2, max_staleness=4, max_in_flight=20)
     assert load_queue(path, looser).config.max_staleness == 4
     with pytest.raises(CheckpointError, match="group_size 3 differs from the checkpoint's 2"):
         load_queue(path, QueueConfig(group_size=3, groups_per_step=2))
+    # admission's bound counts the groups consumed against (v + η + 1) · B: a larger B admitted a burst
+    with pytest.raises(CheckpointError, match="groups_per_step 8 differs from the checkpoint's 2"):
+        load_queue(path, QueueConfig(group_size=2, groups_per_step=8))
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
