@@ -26,14 +26,17 @@ class DiskWeights:
 
     def __init__(self, base_model: str | Path, root: str | Path, keep: int = 2):
         self.base, self.root, self.keep = Path(base_model), Path(root), keep
+        self._written: list[Path] = []  # by this object, oldest first: what `keep` counts
         self.root.mkdir(parents=True, exist_ok=True)
-        for torn in [*self.root.glob("v*.partial"), *self.root.glob("v*.replaced")]:  # a killed writer's
-            shutil.rmtree(torn)
+        # Everything here was written by the producer this one replaces (same id, same directory) or by the
+        # run before a resume, for servers that are gone. Kept, a resumed run's versions sorted below them
+        # (v100 after a crash at v120) and were pruned the moment they were written.
+        for stale in self.root.glob("v*"):
+            shutil.rmtree(stale)
 
     def write(self, version: int, arrays: dict[str, np.ndarray]) -> Path:
-        """Write `version`, replacing one already there: the producer this one replaces (it keeps the
-        producer id, so the directory) or the run before a resume wrote it, and after a resume that
-        rewound, with other weights."""
+        """Write `version` (replacing it if written before) and remove what this object wrote before the
+        newest `keep`."""
         target = self.root / f"v{version:08d}"
         partial = target.with_suffix(".partial")
         shutil.rmtree(partial, ignore_errors=True)
@@ -48,8 +51,10 @@ class DiskWeights:
         partial.rename(target)  # a server never sees a half-written version
         if replaced.exists():
             shutil.rmtree(replaced)
-        for old in sorted(self.root.glob("v" + "[0-9]" * 8))[:-self.keep]:
+        self._written = [*(path for path in self._written if path != target), target]
+        for old in self._written[:-self.keep]:
             shutil.rmtree(old)
+        del self._written[:-self.keep]
         return target
 
     def loader(self, version: int, arrays: dict[str, np.ndarray]) -> Loader:
