@@ -23,6 +23,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -199,17 +200,20 @@ class Run:
             self._view.print(text)
 
     # ---- the loop ------------------------------------------------------------------------------------------
-    def _await(self, ref: ray.ObjectRef, stop: threading.Event | None = None) -> Any:
+    def _await(self, ref: ray.ObjectRef, stopping: Callable[[], str | None] | None = None) -> Any:
         """Wait for a trainer call and, at the same time, for any producer's run to end: a producer that
         died is replaced at once (however fast the trainer's calls return), one that failed fails the run.
-        `stop` set while a step still waits for its groups (admission paused, say) cancels that step."""
+        While `stopping` gives a reason (a stop asked for, or the time limit passed), a step that still waits
+        for its groups (admission paused, say) is cancelled and returns None; `stopped_by` says why."""
         while True:
             runs = self.producers.runs if self.producers is not None else []
             # a bounded wait, so that Ctrl-C reaches the driver between waits
             ready, _ = ray.wait([ref, *runs], num_returns=1, timeout=1.0)
-            if stop is not None and stop.is_set():
+            reason = stopping() if stopping is not None else None
+            if reason is not None:
                 # Again each second: a cancel that lands before the step starts is cleared by it. A step
                 # already training finishes and is recorded.
+                self.stopped_by = reason
                 self.trainer.cancel_step.remote()
             if not ready:
                 continue
@@ -259,12 +263,13 @@ class Run:
                 if self.stopped_by is not None:
                     return
                 self._pending = self.trainer.step.remote()  # cleared by `_record` once the step is recorded
-            result = self._await(self._pending, stop)
+            result = self._await(self._pending, lambda: self._stopping(stop, started))
             if result is None:
-                if not stop.is_set():
+                if self.stopped_by is None:
                     raise RuntimeError("the trainer's step was cancelled while the run was training")
-                self._pending, self.stopped_by = None, "stopped"
+                self._pending = None
                 return
+            self.stopped_by = None  # the step had started training when the cancel came: it was not stopped
             now, step = time.perf_counter(), result.version
             eval_due = cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps
             checkpoint_due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps
@@ -371,8 +376,8 @@ class Run:
     def finish(self, view: ProgressView) -> dict[str, Any]:
         view.close()
         if self._pending is not None:  # interrupted mid-step: a step already training finishes and is recorded
-            self.trainer.cancel_step.remote()
-            result = ray.get(self._pending)
+            # cancelled again each second until it returns: a cancel that lands before the step starts is lost
+            result = self._await(self._pending, lambda: self.stopped_by or "stopped")
             if result is None:
                 self._pending = None
             else:

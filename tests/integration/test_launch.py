@@ -279,6 +279,37 @@ def test_admission_pause_stops_admitted_and_resume_restarts_it(ray_local, tmp_pa
     assert summary["stopped_by"] == "stopped" and summary["queue"]["holds"] == ["operator"]
 
 
+def test_the_time_limit_ends_a_run_whose_step_waits_for_groups_the_operator_paused(ray_local, tmp_path):
+    """The time limit is checked while a step waits for its groups, not only before the next step is
+    asked for: a run the operator paused stops at its limit with its checkpoint (it waited for the resume
+    however long that took, past any scheduler's allocation)."""
+    from streamrl.buffer.actor import get_queue_actor
+
+    stop, outcome = threading.Event(), {}
+    limit = 25.0
+
+    def target():
+        outcome["summary"], _ = run_tiny(tmp_path, "limited", "run.steps=100000", "producers.count=1",
+                                         f"run.time_limit_s={limit}", "trainer.get_timeout_s=1.0", stop=stop)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    try:
+        metrics = tmp_path / "limited" / "metrics.jsonl"
+        deadline = time.time() + 120
+        while not metrics.exists() or not metrics.read_text():
+            assert time.time() < deadline and thread.is_alive(), "the run never trained"
+            time.sleep(0.2)
+        ray.get(get_queue_actor("limited").pause.remote())
+        thread.join(timeout=limit + 60)
+        assert not thread.is_alive(), "the paused run went on past its time limit"
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+    summary = outcome["summary"]
+    assert summary["stopped_by"] == "time_limit" and summary["queue"]["holds"] == ["operator"]
+
+
 def test_a_trainer_that_gets_no_groups_stops_the_run_with_a_checkpoint_and_one_line(ray_local, tmp_path):
     """Producers that deliver nothing (here: admission held by something other than the operator) make
     the trainer's step time out; every actor is alive and the trainer unchanged, so the run ends with a
