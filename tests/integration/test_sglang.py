@@ -172,6 +172,61 @@ def test_a_server_that_dies_is_restarted_with_the_newest_weights_and_the_sample_
     assert set(after.versions) == {2}
 
 
+def a_recovery_held_in_its_reload(engine: SglangEngine, server: ServerProcess, weights_dir):
+    """Version 2 loaded, the server killed, and a sample that finds it dead (it is lost): the restart's
+    reload of version 2 begins once the new server is up, then waits for `go`. (lost sample, go)."""
+    reloading, go = threading.Event(), threading.Event()
+
+    def load(client):
+        if server.restarts:  # the reload into the restarted server
+            reloading.set()
+            go.wait(10)
+        client.update_weights_from_disk(str(weights_dir))
+
+    engine.update_weights(2, load)
+    os.killpg(os.getpgid(server.process.pid), signal.SIGKILL)
+    server.process.wait()
+    lost = engine.io.submit(engine.sample([1], max_new_tokens=4))
+    assert reloading.wait(30)
+    return lost, go
+
+
+def test_a_sample_sent_while_a_restarted_server_reloads_waits_and_runs_on_the_reloaded_weights(io, server,
+                                                                                                weights_dir):
+    """Before, the gate stayed open while a restart reloaded the weights: a sample sent meanwhile ran on
+    the new server's startup weights ("default") and stopped the producer with SglangError."""
+    engine = SglangEngine(SglangClient(server.url), io, server=server)
+    lost, go = a_recovery_held_in_its_reload(engine, server, weights_dir)
+    waiting = io.submit(engine.sample([1], max_new_tokens=4))
+    time.sleep(0.3)
+    assert not waiting.done() and calls(server) == []  # at the gate: nothing reached the new server
+    go.set()
+    assert set(waiting.result(timeout=30).versions) == {2}
+    with pytest.raises(EngineLost):
+        lost.result(timeout=30)
+    assert [c["path"] for c in calls(server)] == ["/update_weights_from_disk", "/update_weight_version",
+                                                  "/flush_cache", "/generate"]
+    assert server.restarts == 1
+
+
+def test_an_update_that_arrives_during_a_restarts_reload_loads_after_it(io, server, weights_dir):
+    """Before, a restart's reload took no lock: an update to version 3 ran inside it, and the reload
+    then labelled the server 2 after it (or, had the update come between load and label, weights 2 as 3)."""
+    engine = SglangEngine(SglangClient(server.url), io, server=server)
+    lost, go = a_recovery_held_in_its_reload(engine, server, weights_dir)
+    update = threading.Thread(target=engine.update_weights, args=(3, disk_loader(str(weights_dir))))
+    update.start()
+    update.join(timeout=1.0)
+    assert update.is_alive() and calls(server) == []  # it waits for the reload
+    go.set()
+    update.join(timeout=30)
+    with pytest.raises(EngineLost):
+        lost.result(timeout=30)
+    labels = [c["body"] for c in calls(server) if c["path"] == "/update_weight_version"]
+    assert [label["new_version"] for label in labels] == ["2", "3"] and engine.version == 3
+    assert set(sample(engine, [1], max_new_tokens=3).versions) == {3} and server.restarts == 1
+
+
 def test_server_errors_name_the_problem_and_a_failed_load_leaves_the_version(io, server, tmp_path):
     engine = SglangEngine(SglangClient(server.url), io)
     with pytest.raises(SglangError, match="input_ids must be a non-empty list"):

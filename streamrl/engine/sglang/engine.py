@@ -10,8 +10,9 @@ pause that server alone.
           close the gate (no new request from here) ─► pause_generation(abort): returns once nothing runs
             ─► load (tensor and distributed paths: inside begin/end_weight_update) ─► update_weight_version
             ─► flush_cache ─► continue_generation ─► open the gate
- crash:   a request that cannot reach its server restarts it, reloads the newest weights, and raises
-          EngineLost: the caller gives the group's prompt back
+ crash:   a request that cannot reach its server, as an update: take the update lock, close the gate,
+          restart it, reload and label the newest weights, open the gate; then raise EngineLost: the
+          caller gives the group's prompt back (the other requests it failed find it alive: one restart)
  colocated with the trainer: release (pause, flush, free GPU memory) ─► trainer steps ─► resume
 ```
 A request sent just before the gate here closed can reach the server after its pause began: it waits
@@ -19,6 +20,9 @@ at the server's own gate (no abort reaches it there) and runs after the update w
 The segment's `weight_version`, which sglang fills in when it answers, says so, so the update need not
 wait for it (before, it waited for every request to come back, up to `drain_timeout_s`). The gate and
 the in-flight count live on the event loop; the blocking side reaches them through `EventLoopThread.call`.
+Only the holder of the update lock moves the gate, and an update, a release and a restart each hold it
+throughout: a restarted server gets no request before its weights are reloaded and labelled (it would
+answer with its startup weights), and no update's load falls between a reload and its label.
 """
 
 from __future__ import annotations
@@ -99,11 +103,10 @@ class SglangEngine:
         self.version = version
         self.closing = False  # set before the producer stops its servers: a failed request is not a crash
         self._released = False  # colocated: the server gave its GPU memory to the trainer
-        self._open = asyncio.Event()  # the gate, on the loop: closed while weights load
+        self._open = asyncio.Event()  # the gate, on the loop: closed while weights load (update, restart, release)
         self._open.set()
         self._in_flight = 0  # requests sent and not returned, counted on the loop
-        self._update_lock = threading.Lock()  # one update (or release) of this server at a time
-        self._restart_lock = threading.Lock()
+        self._update_lock = threading.Lock()  # one update, release or restart of this server at a time
         self._loaded: tuple[int, Loader] | None = None  # the newest weights, to reload after a restart
         self.stats = {"segments": 0, "continued": 0, "updates": 0, "update_s": 0.0, "restarts": 0, "tokens": 0}
 
@@ -181,7 +184,7 @@ class SglangEngine:
                 try:
                     self._swap(version, load)
                 except EngineUnreachable as exc:  # the server died: restart it, then load this version into it
-                    self._recover(exc)
+                    self._restart(exc)
                     self._swap(version, load)
             finally:
                 self._open_gate()
@@ -193,7 +196,7 @@ class SglangEngine:
     # ---- colocated with the trainer: the server gives its GPU memory up while the trainer steps ------
     def release(self) -> None:
         """Stop generating (running requests return and wait to continue) and free the server's GPU
-        memory (torch-memory-saver, `--enable-memory-saver`). Weight updates wait until `resume`."""
+        memory (torch-memory-saver, `--enable-memory-saver`). Weight updates and restarts wait until `resume`."""
         self._update_lock.acquire()  # held until resume: no update while the memory is away
         self._close_gate()
         try:
@@ -243,21 +246,31 @@ class SglangEngine:
         self.client.flush_cache()
 
     def _recover(self, cause: BaseException) -> None:
-        """Restart a dead server (once, whichever request noticed first) and reload the newest weights
-        before any new request reaches it (an update in progress already holds the gate closed)."""
+        """A request could not reach the server: restart it as an update loads, under the update lock with
+        the gate closed (blocking: from an executor thread, never the loop). Requests that find it dead
+        together restart it once: the first does, the others then find it alive."""
+        with self._update_lock:
+            self._close_gate()
+            try:
+                self._restart(cause)
+            finally:
+                self._open_gate()
+
+    def _restart(self, cause: BaseException) -> None:
+        """Restart a dead server and reload the newest weights into it; the caller holds the update lock
+        and the gate closed, so no request reaches the new server before they are labelled."""
         if self.server is None or self.closing:
             raise EngineLost(f"{self.client.url} is unreachable"
                              f"{' (stopping)' if self.closing else ' and streamrl did not start it'}") from cause
-        with self._restart_lock:
-            if self.server.alive() and self.client.alive():
-                return  # another request already restarted it (or the failure was not the server's)
-            log.warning("the sglang server at %s died (%s): restarting it", self.client.url, cause)
-            self.server.restart()
-            self.stats["restarts"] += 1
-            if self._loaded is not None:
-                version, load = self._loaded
-                load(self.client)
-                self._label(version, load)
+        if self.server.alive() and self.client.alive():
+            return  # another request already restarted it (or the failure was not the server's)
+        log.warning("the sglang server at %s died (%s): restarting it", self.client.url, cause)
+        self.server.restart()
+        self.stats["restarts"] += 1
+        if self._loaded is not None:
+            version, load = self._loaded
+            load(self.client)
+            self._label(version, load)
 
 
 async def _clear(event: asyncio.Event) -> None:
