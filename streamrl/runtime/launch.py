@@ -50,7 +50,7 @@ from streamrl.runtime.rundir import (
     RunDirError,
 )
 from streamrl.runtime.summary import summarize
-from streamrl.runtime.supervision import Producers, RunActors, RunFailed, first_line, last_line
+from streamrl.runtime.supervision import ProducerFailed, Producers, RunActors, RunFailed, first_line, last_line
 from streamrl.weights.actor import WeightsActor
 
 __all__ = ["Run", "RunFailed", "launch", "prepare"]
@@ -118,7 +118,7 @@ class Run:
         self.trained_tokens: int = self.meta.get("trained_tokens", 0)
         self.last_metrics: dict[str, Any] = {}
         self.last_checkpoint_step: int | None = self.start_step if resume_from else None
-        self.stopped_by: str | None = None  # steps, time_limit, stopped, interrupted
+        self.stopped_by: str | None = None  # steps, time_limit, stopped, interrupted, no_batch, producer_failed
         self._pending: ray.ObjectRef | None = None  # the trainer's step asked for, not yet recorded
         self._started = time.perf_counter()  # reset when training starts
         self._last_end = self._started  # when the last recorded step returned
@@ -206,7 +206,7 @@ class Run:
         While `stopping` gives a reason (a stop asked for, or the time limit passed), a step that still waits
         for its groups (admission paused, say) is cancelled and returns None; `stopped_by` says why."""
         while True:
-            runs = self.producers.runs if self.producers is not None else []
+            runs = self.producers.watched if self.producers is not None else []
             # a bounded wait, so that Ctrl-C reaches the driver between waits
             ready, _ = ray.wait([ref, *runs], num_returns=1, timeout=1.0)
             reason = stopping() if stopping is not None else None
@@ -395,6 +395,10 @@ class Run:
         self.run_dir.write_json(SUMMARY_FILE, summary)
         log.info("run stopped by %s at step %s; summary in %s", self.stopped_by, summary.get("steps"),
                  self.run_dir.path / SUMMARY_FILE)
+        if self.producers.failed:  # after the checkpoint: the trainer and queue were whole
+            failed = "; ".join(f"producer {pid}: {error}" for pid, error in sorted(self.producers.failed.items()))
+            raise RunFailed(f"{failed}. The run stopped with a checkpoint at step {self.step}; "
+                            f"to go on: streamrl launch --resume {self.run_dir.path}")
         return summary
 
     def finish_without_step(self, view: ProgressView, stopped_by: str) -> dict[str, Any]:
@@ -498,6 +502,13 @@ def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
         except KeyboardInterrupt:
             run.stopped_by = "interrupted"
             view.print("interrupted: stopping producers and writing a checkpoint (Ctrl-C again to abort)")
+        except ProducerFailed as exc:
+            failed = run.failure(exc)  # a producer that failed because the queue or weights actor died
+            if failed is not None:
+                raise failed from exc
+            run.stopped_by = "producer_failed"
+            view.print(f"{exc}: stopping the run with a checkpoint")
+            return run.finish(view)  # raises RunFailed, naming the producer, once the checkpoint is written
         except ray.exceptions.RayError as exc:
             failed = run.failure(exc)
             if failed is not None:

@@ -5,9 +5,10 @@
  Producers.runs   one `run()` reference per producer, waited on beside every trainer call
    ended, died    its running tickets go back (queue.abandon_producer), its weights version is released,
                   its update groups in the trainer closed; a new producer (its own name and seed) replaces it
-   ended, raised  the run fails: a producer's own error is not something a restart mends
+   ended, raised  ProducerFailed: a producer's own error is not something a restart mends; the run stops
+                  with a checkpoint (the trainer and queue are whole) and then fails, naming the producer
  stop             each producer stops after its running generations commit; one that does not within
-                  the timeout is killed and released like a dead one
+                  the timeout, or raises while it stops, is killed and released like a dead one
 ```
 A producer is never a single point of failure: only queue, weights and trainer are (`RunFailed`).
 """
@@ -33,6 +34,14 @@ log = logging.getLogger(__name__)
 
 class RunFailed(RuntimeError):
     """A part of the run that cannot be replaced died; the message says which, and how to resume."""
+
+
+class ProducerFailed(RuntimeError):
+    """A producer's `run()` raised (its own error, not its process dying) or returned while the run trained."""
+
+    def __init__(self, pid: int, error: str):
+        super().__init__(f"producer {pid} failed ({error})")
+        self.pid = pid
 
 
 def first_line(exc: BaseException) -> str:
@@ -105,6 +114,7 @@ class Producers:
         self.notify = notify  # a line for the user (the progress view), beside the log and events.jsonl
         self.handles: list[ray.actor.ActorHandle] = []
         self.runs: list[ray.ObjectRef] = []  # watched while the run trains; empty once stopped on purpose
+        self.failed: dict[int, str] = {}  # producers whose run raised: not watched again, released at stop
         self.restarts = 0
         self.stats: list[ProducerStatus] = []  # each stopped producer's, for the summary
         self.weight_histories: list[list[tuple[float, int]]] = []
@@ -127,18 +137,30 @@ class Producers:
                                             num_cpus=cfg.producers.num_cpus, num_gpus=cfg.producers.num_gpus,
                                             max_concurrency=self.plan.producer_concurrency))
 
+    @property
+    def watched(self) -> list[ray.ObjectRef]:
+        """The runs to wait on beside a trainer call: every producer's, but one that failed."""
+        return [run for pid, run in enumerate(self.runs) if pid not in self.failed]
+
     def ended(self, ref: ray.ObjectRef, *, step: int) -> None:
         """A producer's run returned or raised while the run was training: replaced if its process died
-        (and queue, weights and trainer are alive), otherwise the run fails with its error."""
+        (and queue, weights and trainer are alive); otherwise `ProducerFailed`, with its error."""
         pid = self.runs.index(ref)
         try:
             stats = ray.get(ref)
         except ray.exceptions.RayError as exc:
-            if not actor_died(exc) or self.actors.dead_core_actor() is not None:
-                raise
-            self.replace(pid, exc, step=step)
-            return
-        raise RuntimeError(f"producer {pid} stopped while the run was training ({stats})")
+            if actor_died(exc) and self.actors.dead_core_actor() is None:
+                self.replace(pid, exc, step=step)
+                return
+            if actor_died(exc):
+                raise  # a core actor is gone too: the run's failure is that one (`Run.failure`)
+            self.failed[pid] = last_line(exc)
+        else:
+            self.failed[pid] = f"its run returned while the run was training: {stats}"
+        log.error("producer %s failed at step %s: %s", pid, step, self.failed[pid])
+        self.run_dir.append(EVENTS_FILE, {"event": "producer_failed", "producer": pid, "step": step,
+                                          "error": self.failed[pid], "at": time.time()})
+        raise ProducerFailed(pid, self.failed[pid])
 
     def replace(self, pid: int, exc: BaseException, *, step: int) -> None:
         """A producer died: its running groups' prompts go back to the queue (its committed groups are the
@@ -186,6 +208,14 @@ class Producers:
                 ray.get(run, timeout=0)
                 stopped.append(self.handles[pid])
             except ray.exceptions.ActorDiedError:  # died while stopping: its running groups go back
+                self.release(pid)
+            except ray.exceptions.RayTaskError as exc:  # raised, now or while the run trained: as a dead one
+                if pid not in self.failed:
+                    self.failed[pid] = last_line(exc)
+                    log.error("producer %s failed while stopping: %s", pid, self.failed[pid])
+                    self.run_dir.append(EVENTS_FILE, {"event": "producer_failed_at_stop", "producer": pid,
+                                                      "error": self.failed[pid], "at": time.time()})
+                ray.kill(self.handles[pid])
                 self.release(pid)
             except ray.exceptions.GetTimeoutError:  # still generating after `timeout`: cut short
                 ray.kill(self.handles[pid])

@@ -111,6 +111,24 @@ def test_a_producer_that_keeps_dying_fails_the_run_once_restarts_are_used_up(ray
         run_tiny(tmp_path, "no-restarts", "run.steps=4", "producers.count=1", "producers.max_restarts=0")
 
 
+def test_a_producer_that_raises_stops_the_run_with_a_checkpoint_that_resumes(ray_local, tmp_path, armed):
+    """A producer's own error is not mended by a restart, but the trainer and queue are whole: the run
+    stops with a final checkpoint and summary, then fails naming the producer and how to go on (before,
+    it failed at once, losing every step since the last periodic checkpoint)."""
+    armed("producer.generate=raise@3")
+    with pytest.raises(RunFailed, match=r"producer \d: .*FailPointError.*checkpoint at step \d+.*--resume") as caught:
+        run_tiny(tmp_path, "producer-raises", "run.steps=100000", "run.checkpoint_every=0", "producers.count=2")
+    assert "\n" not in str(caught.value)
+    run_dir = RunDir.open(tmp_path / "producer-raises")
+    summary = json.loads((run_dir.path / "summary.json").read_text())
+    steps = summary["steps"]
+    assert summary["stopped_by"] == "producer_failed" and run_dir.latest_checkpoint().name.endswith(f"{steps:06d}")
+    assert "producer_failed" in events(run_dir)
+    summary = resume_tiny(run_dir, f"run.steps={steps + 2}")
+    assert summary["stopped_by"] == "steps"
+    assert_nothing_lost_or_repeated(run_dir, steps + 2)
+
+
 def test_a_trainer_killed_mid_step_resumes_from_the_last_checkpoint(ray_local, tmp_path, armed):
     armed("trainer.train=kill@4")  # in the 4th step, after the checkpoint of step 2
     with pytest.raises(RunFailed, match=r"the trainer actor died at step 3.*To resume from step_000002") as caught:
