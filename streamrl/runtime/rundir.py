@@ -108,9 +108,16 @@ class RunDir:
         return run
 
     def save_config(self, config: RunConfig) -> None:
-        tmp = self.path / f".{self.config_file.name}.tmp"
-        tmp.write_text(dump_config(config))
-        tmp.replace(self.config_file)
+        self._replace(self.config_file.name, dump_config(config))
+
+    def _replace(self, name: str, text: str) -> None:
+        """Write `name` whole through a temporary file, flushed before the rename and the rename after it:
+        after a crash of the machine the file is the old one or the new one, never empty or torn."""
+        tmp = self.path / f".{name}.tmp"
+        tmp.write_text(text)
+        fsync_path(tmp)
+        tmp.replace(self.path / name)
+        fsync_path(self.path)
 
     @classmethod
     def open(cls, path: str | Path) -> RunDir:
@@ -158,14 +165,10 @@ class RunDir:
         """Drop lines of steps after `step` (written after the checkpoint a run resumes from), and a torn
         last line. Written to a temporary file that replaces the old one: a crash leaves one or the other."""
         kept = [r for r in self.read(name) if r.get("step", 0) <= step]
-        tmp = self.path / f".{name}.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        tmp.replace(self.path / name)
+        self._replace(name, "".join(json.dumps(r) + "\n" for r in kept))
 
     def write_json(self, name: str, value: Any) -> None:
-        tmp = self.path / f".{name}.tmp"
-        tmp.write_text(json.dumps(value, indent=2) + "\n")
-        tmp.replace(self.path / name)
+        self._replace(name, json.dumps(value, indent=2) + "\n")
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     def step_dir(self, step: int) -> Path:
@@ -180,6 +183,11 @@ class RunDir:
             checksums = {str(f.relative_to(tmp)): sha256_file(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
             (tmp / CHECKSUMS).write_text(json.dumps(checksums, indent=1) + "\n")
 
+        # The step records first: a checkpoint that survives a crash of the machine has every line of the
+        # steps it holds (appended lines sit in the page cache until flushed; a resume keeps what is there).
+        for name in STEP_FILES:
+            if (self.path / name).exists():
+                fsync_path(self.path / name)
         self.checkpoints.mkdir(exist_ok=True)
         remove_torn_directories(self.checkpoints)
         return self.make_latest(atomic_directory(self.step_dir(step), fill), keep)

@@ -75,3 +75,21 @@ def test_a_checkpoint_is_on_disk_before_latest_points_at_it(tmp_path, monkeypatc
     assert len(directory_flushes) == 2  # the rename, then `latest` replaced
     assert flushed.index(tmp) < directory_flushes[0] < flushed.index(checkpoints + "/.latest.tmp") < directory_flushes[1]
     assert run_dir.latest_checkpoint() == target
+
+
+def test_a_checkpoint_flushes_the_step_records_to_disk_before_it_becomes_the_latest(tmp_path, monkeypatch):
+    """A checkpoint that survives a crash of the machine must not hold steps whose records were still in
+    the page cache: the records are flushed first, `latest` moves last."""
+    from streamrl.runtime import rundir
+
+    flushed = []
+    real = rundir.fsync_path
+    monkeypatch.setattr(rundir, "fsync_path", lambda path: (flushed.append(path.name), real(path)))
+    run_dir = RunDir.create(tmp_path / "run", RunConfig())
+    run_dir.append(METRICS_FILE, {"step": 1})
+    run_dir.append(rundir.GROUPS_FILE, {"step": 1})
+    run_dir.write_checkpoint(1, lambda tmp: (tmp / "model").write_text("weights"), {"step": 1}, keep=2)
+    assert flushed.index(METRICS_FILE) < flushed.index(".latest.tmp")
+    assert flushed.index(rundir.GROUPS_FILE) < flushed.index(".latest.tmp")
+    run_dir.write_json("summary.json", {"steps": 1})  # replaced whole: flushed before its rename
+    assert ".summary.json.tmp" in flushed
