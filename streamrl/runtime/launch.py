@@ -30,6 +30,7 @@ from typing import Any
 import ray
 
 from streamrl import failpoints, logs
+from streamrl.buffer import OPERATOR_HOLD
 from streamrl.buffer.actor import NAMESPACE, create_queue_actor
 from streamrl.buffer.auto import AutoStaleness
 from streamrl.config import ConfigError, RunConfig
@@ -123,6 +124,7 @@ class Run:
         self._started = time.perf_counter()  # reset when training starts
         self._last_end = self._started  # when the last recorded step returned
         self._view: ProgressView | None = None
+        self._paused_at_start = False  # a checkpoint's operator hold: the run waits for a resume
         self.auto: AutoStaleness | None = None  # queue.max_staleness = "auto": chooses η after each step
 
     @property
@@ -188,6 +190,10 @@ class Run:
                                       f"its controller {self.auto.eta}")
         if queue_version != version:
             raise RunDirError(f"the checkpoint's queue is at version {queue_version}, its trainer at {version}")
+        self._paused_at_start = OPERATOR_HOLD in queue_status["holds"]
+        if self._paused_at_start:
+            log.warning("admission is paused by the operator (kept in the checkpoint): the run waits for "
+                        "`streamrl admission resume --run %s`", self.name)
         self.producers.start_all()
         if cfg.logging.wandb:
             import wandb
@@ -250,6 +256,9 @@ class Run:
         where the trainer must be idle after a step: an evaluation or a checkpoint is due, or the run ends."""
         cfg = self.config.run
         self._view = view
+        if self._paused_at_start:  # else a resumed run that waits for it looks hung
+            view.print(f"admission is paused by the operator, as the checkpoint was: nothing is generated until "
+                       f"streamrl admission resume --run {self.name}")
         started = time.perf_counter()
         self._started = started
         if self.start_step == 0:

@@ -369,6 +369,20 @@ def test_an_operator_pause_while_the_run_shuts_down_is_kept_in_the_checkpoint(ra
     manifest = json.loads((run_dir.latest_checkpoint() / "queue" / "manifest.json").read_text())
     assert manifest["holds"] == ["operator"]
 
+    # resumed, the run says it waits for the operator (it looked hung), and goes on once resumed
+    thread = threading.Thread(target=lambda: outcome.update(resumed=resume_tiny(run_dir, "run.steps=5")))
+    thread.start()
+    try:
+        driver_log = run_dir.path / "logs" / "driver.log"
+        deadline = time.time() + 120
+        while "paused by the operator" not in (driver_log.read_text() if driver_log.exists() else ""):
+            assert time.time() < deadline and thread.is_alive(), "the resumed run never said it waits"
+            time.sleep(0.2)
+        assert main(["admission", "resume", "--run", "held"]) == 0
+    finally:
+        thread.join(timeout=120)
+    assert outcome["resumed"]["steps"] == 5 and outcome["resumed"]["queue"]["holds"] == []
+
 
 def test_ctrl_c_stops_cleanly_with_a_checkpoint(ray_local, tmp_path):
     proc = launch_subprocess(tiny(tmp_path, "interrupted", "run.steps=100000"),
