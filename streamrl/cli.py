@@ -32,6 +32,33 @@ def _connect(address: str | None) -> None:
         raise CliError(str(exc)) from exc
 
 
+def _queue_of(run: str, address: str | None):
+    """The queue actor of the run named `run`: on the cluster at `address`, else on whichever Ray instance
+    on this machine holds it (two runs launched here each have their own)."""
+    import ray
+
+    from streamrl.buffer.actor import get_queue_actor
+    from streamrl.runtime.connect import local_cluster_addresses
+
+    candidates = [] if address is not None or ray.is_initialized() else local_cluster_addresses()
+    if len(candidates) < 2:
+        _connect(address or (candidates[0] if candidates else None))
+        try:
+            return get_queue_actor(run)
+        except ValueError as exc:
+            raise CliError(str(exc)) from exc
+    searched = []
+    for candidate in candidates:
+        try:
+            _connect(candidate)
+            return get_queue_actor(run)
+        except (CliError, ValueError) as exc:  # not this instance: the next one may hold the run
+            searched.append(f"{candidate}: {exc}")
+            ray.shutdown()
+    raise CliError(f"no running streamrl run named {run!r} on the {len(candidates)} Ray instances on this machine "
+                   f"({'; '.join(searched)}); for a run elsewhere pass --address HOST:PORT")
+
+
 def describe_summary(summary: dict) -> str:
     """The run's last line; fields a run stopped before its first step does not have print as n/a."""
     def num(key: str, spec: str) -> str:
@@ -87,14 +114,9 @@ def launch(args: argparse.Namespace) -> int:
 def admission(args: argparse.Namespace) -> int:
     import ray
 
-    from streamrl.buffer.actor import get_queue_actor
     from streamrl.buffer.queue import OPERATOR_HOLD
 
-    _connect(args.address)
-    try:
-        queue = get_queue_actor(args.run)
-    except ValueError as exc:
-        raise CliError(str(exc)) from exc
+    queue = _queue_of(args.run, args.address)
     # The operator's hold only: a pause the launcher holds while it shuts down is not the operator's to lift.
     if args.action == "pause":
         was_held = ray.get(queue.pause.remote(OPERATOR_HOLD))

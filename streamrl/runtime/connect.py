@@ -88,6 +88,19 @@ def join_cluster(address: str, **init_kwargs: Any) -> None:
             raise RayConnectError(f"cannot connect to the Ray cluster at {gcs_address}: {exc}") from exc
 
 
+def local_cluster_addresses() -> list[str]:
+    """GCS addresses (HOST:PORT) of the Ray instances on this machine, `RAY_ADDRESS` alone where it is set:
+    the cluster `ray start` last started first, then every other one in a fixed order (each `streamrl
+    launch` without an address starts an instance of its own, which `auto` picks among at random)."""
+    from ray._private.services import find_bootstrap_address, find_gcs_addresses
+
+    named = os.environ.get("RAY_ADDRESS")
+    if named:
+        return [named]
+    latest = find_bootstrap_address(None)
+    return [address for address in [latest, *sorted(set(find_gcs_addresses()) - {latest})] if address]
+
+
 def _resolve(address: str) -> str:
     """HOST:PORT of the cluster's GCS; `auto` is RAY_ADDRESS, else the cluster `ray start` ran here."""
     from ray._private.services import get_ray_address_from_environment

@@ -76,3 +76,52 @@ def test_the_final_line_handles_a_run_stopped_before_its_first_step():
                "staleness_max": 0, "max_staleness": 2}
     line = describe_summary(summary)
     assert line.startswith("interrupted at step 0") and "reward n/a → n/a" in line and "0.00 → n/a" in line
+
+
+HOLDER = """
+import sys
+import ray
+from streamrl.buffer import QueueConfig
+from streamrl.buffer.actor import create_queue_actor
+from streamrl.runtime.connect import start_local
+start_local(num_cpus=1)  # as `streamrl launch` without an address: a Ray instance of its own
+queue = create_queue_actor(sys.argv[1], QueueConfig(group_size=1, groups_per_step=1))
+ray.get(queue.status.remote())
+print("ready", flush=True)
+sys.stdin.read()  # until the test closes it
+"""
+
+
+@pytest.mark.ray
+def test_admission_finds_its_run_among_several_local_ray_instances(tmp_path):
+    """Two runs launched on one machine each start their own Ray instance; `auto` picked one of them at
+    random, so `--run A` answered "no running streamrl run named 'A'" about half the time."""
+    import os
+    import subprocess
+    import sys
+
+    from leftovers import track
+
+    holders = [track(subprocess.Popen([sys.executable, "-c", HOLDER, name], stdin=subprocess.PIPE, text=True,
+                                      stdout=subprocess.PIPE, start_new_session=True))
+               for name in ("run-a", "run-b")]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+
+    def admission(*args):
+        return subprocess.run([sys.executable, "-m", "streamrl.cli", "admission", *args], capture_output=True,
+                              text=True, timeout=120, env=env)
+    try:
+        for holder in holders:
+            assert holder.stdout.readline().strip() == "ready"
+        for name in ("run-a", "run-b", "run-a", "run-b"):
+            done = admission("status", "--run", name, "--json")
+            assert done.returncode == 0, done.stderr
+        assert admission("pause", "--run", "run-b").returncode == 0
+        assert json.loads(admission("status", "--run", "run-b", "--json").stdout)["holds"] == ["operator"]
+        assert json.loads(admission("status", "--run", "run-a", "--json").stdout)["holds"] == []
+        missing = admission("status", "--run", "run-c")
+        assert missing.returncode == 2 and "no running streamrl run named 'run-c'" in missing.stderr
+    finally:
+        for holder in holders:
+            holder.stdin.close()
+            holder.wait(timeout=60)
