@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -174,6 +175,7 @@ class TorchEngine:
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                          logits_to_keep=1)
+        _check_filled(cache, width)
         # each prompt's state, once per sample: the prefix was computed once for the group
         repeat = torch.repeat_interleave(torch.arange(len(joins), device=device),
                                          torch.tensor([n for _, _, n in joins], device=device))
@@ -255,6 +257,20 @@ class TorchEngine:
             self._mask = self._mask[:, lead:]
             for layer in _layers(self._cache):
                 layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
+
+
+def _check_filled(cache: DynamicCache, width: int) -> None:
+    """The prefill wrote its `width` positions into our cache, or decoding would silently run without context.
+
+    A forward without a `cache` parameter (transformers < 5.24 names it `past_key_values`) takes `cache=`
+    into its **kwargs and ignores it. A shape read, once per join: nothing per decode step."""
+    filled = cache.get_seq_length()
+    if filled != width:
+        raise RuntimeError(
+            f"the model did not fill the KV cache passed as `cache=` ({filled} of {width} prompt positions): "
+            f"transformers {transformers.__version__} is installed and streamrl needs transformers>=5.24, the "
+            "first release whose models take `cache=` (older ones ignore it; a custom model's forward must "
+            "take it too)")
 
 
 def _layers(cache: DynamicCache) -> list[DynamicLayer]:

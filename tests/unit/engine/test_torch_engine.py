@@ -189,3 +189,20 @@ def test_bad_arguments_are_refused(tiny_model_dir):
         engine.add(0, [], 1)
     with pytest.raises(ValueError, match="n must be >= 1"):
         engine.add(0, [1, 2], 0)
+
+
+def test_a_model_that_ignores_the_cache_kwarg_fails_loudly_at_prefill(tiny_model_dir, monkeypatch):
+    """transformers < 5.24 names the cache `past_key_values` and takes `cache=` into **kwargs unused: the
+    cache stays empty and every decode step would run without context. The first prefill refuses that."""
+    model, _ = load_policy(tiny_model_dir)
+    forward = model.forward
+
+    def forward_of_an_old_release(*args, cache=None, **kwargs):
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", forward_of_an_old_release)
+    engine = engine_for(model)
+    engine.add(0, [1, 4, 5, 15], 2)
+    with pytest.raises(RuntimeError, match=r"\(0 of 4 prompt positions\).*transformers .* streamrl needs "
+                                           r"transformers>=5\.24"):
+        engine.step()
