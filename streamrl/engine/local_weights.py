@@ -64,6 +64,8 @@ class LocalWeights:
             return False
 
     def wait_newer(self, than: int | None, timeout: float) -> bool:
+        """Block until weights newer than `than` are staged (True): ready for the next `refresh`, not yet
+        in use. False once `timeout` passes."""
         if self.receiver is None:
             time.sleep(timeout)
             return False

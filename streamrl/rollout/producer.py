@@ -2,8 +2,10 @@
 
 ```
  admit thread:   free slots ≥ G ─► queue.admit(free // G, weights version the engine holds) ─► tickets
-                   └─ none: paused / in-flight / capacity / staleness ─► retry;  stale_weights ─► wait for newer
- decode loop:    newer weights? switch (the stall is measured) ─► admitted groups join the engine ─► step
+                   └─ none: paused / in-flight / capacity / staleness ─► retry;
+                            stale_weights ─► wait until the decode loop has switched to newer weights
+ decode loop:    newer weights? switch (the stall is measured; the admit thread is woken) ─► admitted groups
+                   join the engine ─► step
                    └─ a group's G samples all ended ─► score queue
  score thread:   rewards ─► Arrow batch ─► commit queue  (a failed reward: the prompts go back, raised in the loop)
  commit threads: queue.commit(batch), two at a time  (refused: the tickets are given back; an error is
@@ -202,6 +204,8 @@ class RolloutProducer:
         self.stats.weight_updates += 1
         log.info("weights version %s in use (generation held up %.3f s)", self.engine.weights.version, stall)
         self._abort_doomed(self.engine.weights.version)
+        with self._cond:
+            self._cond.notify_all()  # an admit thread refused for stale weights asks again with these
 
     def _abort_doomed(self, version: int) -> None:
         """Stop groups that can no longer be trained within the staleness budget. The trainer is at
@@ -296,9 +300,18 @@ class RolloutProducer:
                         self._admitted.extend(admission.tickets)
                         self._cond.notify_all()
                 elif admission.blocked_by == "stale_weights":
-                    self.engine.weights.wait_newer(held, self.admit_timeout)
+                    self._wait_for_newer_in_use(held)
         except BaseException as exc:
             self._fail(exc)
+
+    def _wait_for_newer_in_use(self, held: int | None) -> None:
+        """Wait up to `admit_timeout` for the decode loop to switch from version `held` to newer weights
+        (`_refresh` notifies), or for the producer to stop. Weights staged but not yet switched to do not
+        count: the queue budgets on the version in use, and would refuse again at once until the switch
+        at the end of the current decode step (`weights.wait_newer` returns as soon as they are staged)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.engine.weights.version != held or self._done.is_set()
+                                or self._error is not None, timeout=self.admit_timeout)
 
     def _score_loop(self) -> None:
         # Drains until shutdown whatever fails, as the commit loop: every item reaches the commit thread.

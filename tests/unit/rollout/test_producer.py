@@ -19,13 +19,15 @@ from streamrl.weights.receiver import WeightReceiver
 from streamrl.weights.registry import WeightRegistry
 
 
-def make_producer(model_dir, queue, registry, task=None, producer_id=0, groups=3, max_staleness=None):
+def make_producer(model_dir, queue, registry, task=None, producer_id=0, groups=3, max_staleness=None,
+                  admit_timeout=0.05):
     model, _ = load_policy(model_dir)
     receiver = WeightReceiver(lambda have, timeout: registry.acquire(producer_id, have, timeout), poll_s=0.05)
     engine = TorchEngine(LocalWeights(model, receiver), pad_id=0, stop_ids=[EOS], max_new_tokens=4,
                          capacity=groups * queue.config.group_size, seed=producer_id)
     return RolloutProducer(producer_id, queue=queue, engine=engine, task=task or ReverseDigits(2),
-                           group_size=queue.config.group_size, max_staleness=max_staleness, admit_timeout=0.05)
+                           group_size=queue.config.group_size, max_staleness=max_staleness,
+                           admit_timeout=admit_timeout)
 
 
 @contextmanager
@@ -142,6 +144,103 @@ def test_a_producer_with_stale_weights_waits_for_newer_ones(tiny_model_dir, setu
         got = queue.get(3, timeout=30)
     assert not errors and got is not None and producer.engine.weights.version == 2
     assert all(min(g.payload.column("versions").flatten().to_pylist()) == 2 for g in got.groups)
+
+
+class CountingQueue(ReplayQueue):
+    def __init__(self, config):
+        super().__init__(config)
+        self.admit_calls = 0
+
+    def admit(self, *args, **kwargs):
+        self.admit_calls += 1
+        return super().admit(*args, **kwargs)
+
+
+def endless(producer):
+    """No stop token in reach of an untrained model: its sequences run until stopped."""
+    producer.engine.max_new_tokens = 10_000
+    producer.engine._stop_ids = [99]
+    return producer
+
+
+def wait_until(condition, timeout=30.0):
+    deadline = time.time() + timeout
+    while not condition() and time.time() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_a_producer_refused_for_stale_weights_asks_again_once_newer_ones_are_in_use(tiny_model_dir, monkeypatch):
+    """Admission budgets on the version the engine generates with, not on one staged for its next decode
+    step. The admit thread waited for newer *staged* weights: from the staging to the switch (up to a
+    whole decode step) that wait returned at once, the queue refused again at once, and the producer
+    asked the queue (over Ray, a round trip to the one queue actor) in a tight loop."""
+    queue = CountingQueue(QueueConfig(group_size=2, groups_per_step=1, max_staleness=0, max_in_flight=4,
+                                      vocab_size=17))
+    registry = WeightRegistry()
+    model, _ = load_policy(tiny_model_dir)
+    registry.publish(0, state_arrays(model))
+    producer = endless(make_producer(tiny_model_dir, queue, registry, groups=2))
+    step, opened, held = producer.engine.step, threading.Event(), threading.Event()
+    opened.set()
+
+    def gated_step():  # a long decode step: the staged weights wait for its end
+        if not opened.is_set():
+            held.set()
+            opened.wait(30)
+        return step()
+
+    monkeypatch.setattr(producer.engine, "step", gated_step)
+    with running(producer) as errors:
+        assert wait_until(lambda: queue.status()["admitted"] == 1)  # the budget at version 0: one group
+        opened.clear()
+        assert held.wait(30)  # the decode loop is inside a step
+        queue.set_version(1)  # the trainer moved on: version 0 is stale (η = 0)
+        registry.publish(1, state_arrays(model))
+        assert wait_until(lambda: producer.engine.weights.status()["staged"] == 1)
+        calls, started = queue.admit_calls, time.perf_counter()
+        time.sleep(0.5)
+        calls, elapsed = queue.admit_calls - calls, time.perf_counter() - started
+        assert producer.engine.weights.version == 0 and producer.last_blocked_by == "stale_weights"
+        opened.set()  # the step ends: version 1 into use, and the producer is admitted with it
+        assert wait_until(lambda: queue.status()["admitted"] == 2)
+    assert not errors and producer.engine.weights.version == 1
+    assert calls <= elapsed / producer.admit_timeout + 3, f"{calls} admissions asked in {elapsed:.2f} s"
+
+
+def test_a_producer_waiting_for_newer_weights_wakes_for_them_and_for_a_stop(tiny_model_dir):
+    """The wait for newer weights is bounded by `admit_timeout`, but neither the switch to newer weights
+    nor a stop waits that long."""
+    queue = ReplayQueue(QueueConfig(group_size=2, groups_per_step=1, max_staleness=0, max_in_flight=4,
+                                    vocab_size=17))
+    registry = WeightRegistry()
+    model, _ = load_policy(tiny_model_dir)
+    registry.publish(0, state_arrays(model))
+    producer = endless(make_producer(tiny_model_dir, queue, registry, groups=3, admit_timeout=60))
+    stop, errors = threading.Event(), []
+
+    def run():
+        try:
+            producer.run(stop)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        assert wait_until(lambda: queue.status()["admitted"] == 1)
+        queue.set_version(1)
+        assert wait_until(lambda: producer.last_blocked_by == "stale_weights")
+        registry.publish(1, state_arrays(model))
+        assert wait_until(lambda: queue.status()["admitted"] == 2)  # not a minute later
+        queue.set_version(2)  # stale again, and no newer weights to come
+        assert wait_until(lambda: producer.last_blocked_by == "stale_weights")
+        stopped = time.perf_counter()
+    finally:
+        stop.set()
+        thread.join(timeout=90)
+    assert not thread.is_alive() and not errors
+    assert time.perf_counter() - stopped < 10  # not the rest of admit_timeout
 
 
 def test_a_group_that_outlived_its_ticket_is_dropped_and_the_producer_goes_on(tiny_model_dir, setup, monkeypatch):
