@@ -7,7 +7,14 @@ import contextlib
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 
 def quiet_transformers() -> None:
@@ -34,12 +41,31 @@ def load_policy(path: str | Path, *, train: bool = False, dtype: str = "float32"
         raise FileNotFoundError(f"{str(path)!r} is not a Hugging Face model directory (no config.json)")
     check_dtype_supported(dtype)
     held = torch.float32 if train else getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=held, attn_implementation=attention)
+    config = AutoConfig.from_pretrained(path)
+    if train:
+        _without_dropout(config)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=held, attn_implementation=attention)
     model.train(train)
+    if train:
+        for module in model.modules():  # dropout a model builds whatever its config says
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
     if not train:
         model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
+
+
+def _without_dropout(config: PretrainedConfig) -> None:
+    """A policy is trained without dropout (and layer drop): the engines sample in eval mode, so with it
+    θ differed from the behaviour log-prob even for tokens the trainer's own weights sampled (importance
+    ratios ≠ 1), and the no-grad proximal and reference passes were noisy. Qwen2 and Llama default to 0;
+    GPT-2, OPT, Phi and others do not. The checkpoints' config.json says so: it is what the policy was
+    trained with."""
+    for part in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
+        for name, value in part.to_dict().items():
+            if isinstance(value, float) and ("dropout" in name or name.endswith("pdrop") or name == "layerdrop"):
+                setattr(part, name, 0.0)
 
 
 def check_dtype_supported(dtype: str) -> None:

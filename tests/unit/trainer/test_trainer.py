@@ -429,3 +429,30 @@ def test_a_diagnosed_step_samples_its_prompts_again_and_compares_the_gradients(t
     diagnosed = t.train(data)  # version 0: diagnosed
     assert diagnosed["update_kl"] > 0 and -1 <= diagnosed["grad_cos_stale_fresh"] <= 1
     assert "update_kl" not in t.train(batch(seed=1))  # version 1: not
+
+
+def test_a_model_with_dropout_is_trained_without_it_so_on_policy_ratios_are_one(tiny_model_dir, tmp_path):
+    """The engines sample in eval mode: with the config's dropout on in training, θ differed from the
+    behaviour log-prob of the very weights that sampled (0.075 at attention_dropout = 0.1), and two no-grad
+    passes (proximal, reference) differed from each other."""
+    import json
+    import shutil
+
+    from streamrl.buffer.padded import to_padded
+    from streamrl.models.hf import load_policy
+
+    model_dir = tmp_path / "dropout-model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.3}))
+    trainer = TorchTrainer(model_dir, trainer=TrainerSection(lr=1e-3), loss=LossConfig(name="decoupled_ppo"),
+                           group_size=4)
+    sampler, _ = load_policy(model_dir)  # as a producer holds it: eval mode
+    padded = to_padded(batch(seed=0), 0)
+    with torch.no_grad():
+        behaviour = trainer.backend.token_logprobs(padded.input_ids, padded.attention_mask, model=sampler)
+        trainer.backend.model.train()  # the mode backward leaves it in
+        first = trainer.backend.token_logprobs(padded.input_ids, padded.attention_mask)
+        second = trainer.backend.token_logprobs(padded.input_ids, padded.attention_mask)
+    torch.testing.assert_close(first, behaviour, rtol=0, atol=1e-6)
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
