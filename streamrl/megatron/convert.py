@@ -54,6 +54,13 @@ class Layout:
             raise ValueError(f"model_type {kind!r}: the megatron backend converts {', '.join(SUPPORTED)} models")
         if getattr(config, "mlp_bias", False):
             raise ValueError("mlp_bias = true is not supported by the megatron backend")
+        # What the megatron model builds (SwiGLU, full attention in every layer); a config that differs
+        # converted without complaint and computed other logits than the model the engines sample with.
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported by the megatron backend (silu)")
+        windowed = [kind for kind in getattr(config, "layer_types", None) or [] if kind != "full_attention"]
+        if getattr(config, "use_sliding_window", False) or windowed:
+            raise ValueError("sliding-window attention is not supported by the megatron backend")
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         qkv_bias = kind == "qwen2" or bool(getattr(config, "attention_bias", False))

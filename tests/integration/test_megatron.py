@@ -107,6 +107,14 @@ def test_conversion_refuses_what_it_cannot_split_or_does_not_know():
     gpt2 = type("Config", (), {"model_type": "gpt2"})()
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
         Layout.from_hf(gpt2)
+    config = hf_model("qwen2").config
+    config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        Layout.from_hf(config)
+    config = hf_model("qwen2").config
+    config.layer_types = ["full_attention", "sliding_attention"]
+    with pytest.raises(ValueError, match="sliding-window"):
+        Layout.from_hf(config)
 
 
 # ---- megatron-core in worker processes (gloo), one per tensor-parallel rank ------------------------------
