@@ -31,9 +31,10 @@ def state_arrays(model: torch.nn.Module | ArrayModel, *, copy: bool = True) -> d
     arrays: dict[str, np.ndarray] = {}
     seen: set[int] = set()
     for name, tensor in model.state_dict().items():
-        if tensor.data_ptr() in seen:
-            continue
-        seen.add(tensor.data_ptr())
+        if tensor.numel():  # tied tensors share storage; empty ones may all point at 0 and are each kept
+            if tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
         array = tensor.detach().to("cpu").numpy()
         arrays[name] = array.copy() if copy else array
     return arrays
