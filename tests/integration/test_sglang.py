@@ -43,6 +43,28 @@ def server():
     process.stop()
 
 
+def test_a_server_whose_port_another_process_holds_is_refused_naming_the_port():
+    """Another server on the port answered this one's health check, so a server that then failed to bind
+    and exited passed for started (and its first call got the other server's 401)."""
+    import socket
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        server = ServerProcess(ServerSpec(model_path="unused", port=port),
+                               command=[sys.executable, str(FAKE), "--port", str(port)], startup_timeout_s=30)
+        server.port_wait_s = 0.5
+        with pytest.raises(RuntimeError, match=f"port {port} is taken by another process"):
+            server.start()
+        assert server.process is None  # nothing was started
+    server.start()  # free again: it starts
+    try:
+        assert server.alive() and server.healthy()
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def weights_dir(tmp_path):
     (tmp_path / "config.json").write_text("{}")  # what update_weights_from_disk loads, for the stand-in

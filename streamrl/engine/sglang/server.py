@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -72,6 +73,7 @@ class ServerProcess:
         self._command = command or spec.command()
         self._log_dir = Path(log_dir) if log_dir else None
         self.startup_timeout_s = startup_timeout_s
+        self.port_wait_s = 30.0  # for the port to be free before starting (a replaced server stopping)
         self.process: subprocess.Popen | None = None
         self.restarts = 0
 
@@ -84,6 +86,7 @@ class ServerProcess:
         servers load their weights in parallel that way)."""
         if self.alive():
             raise RuntimeError(f"the server at {self.url} is already running (pid {self.process.pid})")
+        self._wait_port_free()
         log = subprocess.DEVNULL
         if self._log_dir is not None:
             self._log_dir.mkdir(parents=True, exist_ok=True)
@@ -95,6 +98,24 @@ class ServerProcess:
             log.close()  # the child holds its own descriptor
         if wait:
             self.wait_healthy()
+
+    def _wait_port_free(self) -> None:
+        """Another process listening on the port (the server of a producer this one replaces, still
+        stopping, or another run with the same `producers.sglang.base_port`) would answer the health check
+        for this server, which then fails to bind and exits: wait up to `port_wait_s` for it to go."""
+        deadline = time.monotonic() + self.port_wait_s
+        while True:
+            with socket.socket(socket.AF_INET6 if ":" in self.spec.host else socket.AF_INET) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is free
+                try:
+                    probe.bind((self.spec.host, self.spec.port))
+                    return
+                except OSError as exc:
+                    if time.monotonic() >= deadline:
+                        raise RuntimeError(f"cannot start the sglang server at {self.url}: port {self.spec.port} is "
+                                           f"taken by another process ({exc.strerror}); another run's servers? "
+                                           "(producers.sglang.base_port)") from exc
+            time.sleep(0.2)
 
     def wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
