@@ -7,8 +7,11 @@ starts: what an instruction-tuned model was trained to see. Without it, text goe
 is, and messages are refused (there is no right way to flatten them without the template).
 
 The reward function is called as `function(completion: str, row: dict) -> float`, where `completion`
-is the decoded response and `row` the prompt's record (all its columns, so a reference answer can sit
-next to the prompt). A function with the attribute `batched = True` is called once per group instead,
+is the decoded response and `row` the prompt's record (all its fields, so a reference answer can sit
+next to the prompt). A JSON-lines row is its line's object exactly as Python's `json` reads it: each
+line its own record, so `4` stays the int 4 beside a `0.5` on another line, integers keep every digit,
+and a field may hold different types on different lines (or be absent). A Parquet row has the file's
+declared column types. A function with the attribute `batched = True` is called once per group instead,
 as `function(completions: list[str], row: dict) -> list[float]` (a verifier that is cheaper in bulk, or
 one that compares a group's answers). Training prompt id `i` is row `i mod rows`: the cursor walks the
 file in order, epoch after epoch.
@@ -23,35 +26,21 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from streamrl.config import TaskSection
 from streamrl.tasks.reward_guard import RewardGuard, import_reward, is_batched
 
-
-def _is_text(type_: pa.DataType) -> bool:
-    if pa.types.is_dictionary(type_):
-        type_ = type_.value_type
-    return pa.types.is_string(type_) or pa.types.is_large_string(type_)
-
-
-def _is_messages(type_: pa.DataType) -> bool:
-    """A list of structs with text `role` and `content` fields (extra fields, such as `name`, allowed)."""
-    if not (pa.types.is_list(type_) or pa.types.is_large_list(type_)) or not pa.types.is_struct(type_.value_type):
-        return False
-    fields = {f.name: f.type for f in type_.value_type}
-    return all(name in fields and _is_text(fields[name]) for name in ("role", "content"))
-
-
 ROLES = ("system", "user", "assistant", "tool")
+_JSON_SPACE = " \t\r\n"
 
 
-def _messages_problem(messages: list[dict[str, Any]]) -> str | None:
+def _messages_problem(messages: list[Any]) -> str | None:
     if not messages:
         return "the chat has no messages"
     for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f"message {i} is {reprlib.repr(message)}, not an object with a role and content"
         if message.get("role") not in ROLES:
             return f"message {i} has role {message.get('role')!r}, not one of {', '.join(ROLES)}"
         if not isinstance(message.get("content"), str):
@@ -61,46 +50,90 @@ def _messages_problem(messages: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def _json_problem(path: Path, prompt_field: str) -> str | None:
-    """The first line of a JSON-lines file that Arrow refused to read, and what is wrong with it
-    (searched line by line, so only once reading has failed)."""
+def _prompt_problem(prompt: Any, field: str, messages: bool) -> str | None:
+    """What is wrong with one row's prompt, the same checks for both formats; None when it is usable."""
+    if isinstance(prompt, str):
+        return "the prompt is empty" if prompt.isspace() or not prompt else None
+    if prompt is None:
+        return f"no prompt (column {field!r} is null or missing)"
+    if isinstance(prompt, list):
+        if messages:
+            return _messages_problem(prompt)
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            return (f"column {field!r} holds chat messages, which need the model's chat template: set "
+                    "task.chat_template = true")
+    wanted = "text or chat messages ([{role, content}, ...])" if messages else "text"
+    return f"column {field!r} holds {reprlib.repr(prompt)} ({type(prompt).__name__}), not {wanted}"
+
+
+def _read_json_lines(path: Path, where: str) -> tuple[list[dict[str, Any]], list[int]]:
+    """The objects of a JSON-lines file, one per non-blank line, and the numbers of the blank lines
+    (to turn a row back into its line). Python's `json` rather than Arrow's reader: Arrow infers one type
+    per column, which turned every integer into a float once one line held a fraction, rounded integers
+    past 2**53, refused a column that mixed types, and refused a line longer than its block."""
+    rows: list[dict[str, Any]] = []
+    blank: list[int] = []
+    decode = json.JSONDecoder().raw_decode  # json.loads less its per-call overhead: half the time per line
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]  # a byte-order mark, as some Windows editors write
             try:
-                record = json.loads(raw.decode("utf-8"))
+                text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                return f"line {number} is not UTF-8 text ({exc.reason} at byte {exc.start})"
-            except json.JSONDecodeError as exc:
-                return f"line {number} is not valid JSON ({exc.msg} column {exc.colno})"
-            if not isinstance(record, dict):
-                return f"line {number} is not a JSON object"
-            value = record.get(prompt_field)
-            if value is not None and not isinstance(value, str):
-                return f"line {number}: column {prompt_field!r} holds {reprlib.repr(value)}, not text"
+                raise ValueError(f"{where}: line {number} is not UTF-8 text ({exc.reason} at byte {exc.start})") \
+                    from None
+            try:
+                record, end = decode(text)
+                if text[end:].strip(_JSON_SPACE):
+                    raise json.JSONDecodeError("Extra data", text, end)
+            except (ValueError, RecursionError):  # a JSONDecodeError is a ValueError
+                if not text.strip(_JSON_SPACE):
+                    blank.append(number)
+                    continue
+                record = _loads(text, f"{where}: line {number}")
+            if type(record) is not dict:
+                raise ValueError(f"{where}: line {number} is not a JSON object")
+            if ("\\ud" in text or "\\uD" in text) and (escape := _unpaired_surrogate(record)):
+                raise ValueError(f"{where}: line {number} is not UTF-8 text (an unpaired surrogate, {escape})")
+            rows.append(record)
+    return rows, blank
+
+
+def _loads(text: str, where: str) -> Any:
+    """A line that `raw_decode` refused: `json.loads` reads one with leading spaces, and words the error
+    of any other."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where} is not valid JSON ({exc.msg} column {exc.colno})") from None
+    except (ValueError, RecursionError) as exc:  # an integer of over 4300 digits; arrays nested too deep
+        raise ValueError(f"{where} cannot be read ({exc})") from None
+
+
+def _unpaired_surrogate(record: dict[str, Any]) -> str | None:
+    """A half of a surrogate pair that a record's strings hold alone, as its escape: `json` reads
+    `"\\ud800"` as it is, but it is no character and no tokenizer can take it (Arrow refused it)."""
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"\\u{ord(exc.object[exc.start]):04x}"
     return None
 
 
-def _read_table(path: Path, prompt_field: str, where: str) -> pa.Table:
-    if path.suffix == ".parquet":
-        try:
-            return pq.read_table(path)
-        except (pa.ArrowException, OSError) as exc:
-            raise ValueError(f"{where} is not a readable Parquet file: {exc}") from None
-    if path.suffix not in (".jsonl", ".json"):
-        raise ValueError(f"{where}: expected .parquet or .jsonl")
-    if path.stat().st_size == 0:
-        raise ValueError(f"{where} has no rows")
-    try:
-        return pa_json.read_json(path)
-    except pa.ArrowException as exc:
-        raise ValueError(f"{where}: {_json_problem(path, prompt_field) or exc}") from None
+def _line(row: int, blank: list[int]) -> int:
+    """The 1-based line of a JSON-lines file that holds 0-based row `row`, given its blank lines."""
+    line = row + 1
+    for number in blank:  # ascending: each blank line at or above the row moves it down one
+        if number > line:
+            break
+        line += 1
+    return line
 
 
 def _invalid_utf8(table: pa.Table) -> str | None:
-    """Where a table that failed full validation holds bytes that are not UTF-8 (Arrow's JSON reader
-    and Parquet files from other writers do not check)."""
+    """Where a table that failed full validation holds bytes that are not UTF-8 (Parquet files from
+    other writers need not check)."""
     for name, column in zip(table.column_names, table.columns):
         offset = 0
         for chunk in column.chunks:
@@ -116,8 +149,17 @@ def _invalid_utf8(table: pa.Table) -> str | None:
     return None
 
 
-def _first(mask: pa.ChunkedArray) -> int:
-    return pc.index(mask, True).as_py()
+def _read_parquet(path: Path, where: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows of a Parquet file and its columns."""
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(f"{where} is not a readable Parquet file: {exc}") from None
+    try:
+        table.validate(full=True)
+    except pa.ArrowInvalid as exc:
+        raise ValueError(f"{where}: {_invalid_utf8(table) or exc}") from None
+    return table.to_pylist(), table.column_names
 
 
 def read_rows(path: str | Path, prompt_field: str, *,
@@ -128,63 +170,53 @@ def read_rows(path: str | Path, prompt_field: str, *,
 
     With `tokenize` (prompts -> token ids), every prompt is tokenized too: one that tokenizes to nothing
     or to more than `max_prompt_tokens` is refused. Errors name the file and the row (0-based, the row
-    prompt id `i` maps to) or, for JSON lines that cannot be parsed, the line (1-based).
+    prompt id `i` maps to; in a JSON-lines file also its line) or, for JSON lines that cannot be read,
+    the line (1-based).
     """
     path = Path(path)
     where = f"prompt file {str(path)!r}"
     if not path.is_file():
         raise FileNotFoundError(f"{where} does not exist")
-    table = _read_table(path, prompt_field, where)
-    try:
-        table.validate(full=True)
-    except pa.ArrowInvalid as exc:
-        raise ValueError(f"{where}: {_invalid_utf8(table) or exc}") from None
-    if table.num_rows == 0:
+    if path.suffix == ".parquet":
+        rows, columns = _read_parquet(path, where)
+
+        def locate(row: int) -> str:
+            return f"row {row}"
+    elif path.suffix in (".jsonl", ".json"):
+        rows, blank = _read_json_lines(path, where)
+        columns = None  # each row has its own keys
+
+        def locate(row: int) -> str:
+            return f"row {row} (line {_line(row, blank)})"
+    else:
+        raise ValueError(f"{where}: expected .parquet or .jsonl")
+    if not rows:
         raise ValueError(f"{where} has no rows")
-    if prompt_field not in table.column_names:
-        raise ValueError(f"{where} has no column {prompt_field!r} (columns: {table.column_names})")
-    prompts = table.column(prompt_field)
-    if _is_messages(prompts.type):
-        if not messages:
-            raise ValueError(f"{where}: column {prompt_field!r} holds chat messages, which need the model's chat "
-                             "template: set task.chat_template = true")
-        _check_chats(prompts, where, tokenize, max_prompt_tokens)
-        return table.to_pylist()
-    if not _is_text(prompts.type):
-        raise ValueError(f"{where}: column {prompt_field!r} must hold text or chat messages "
-                         f"([{{role, content}}, ...]), not {prompts.type}")
-    if pa.types.is_dictionary(prompts.type):
-        prompts = prompts.cast(prompts.type.value_type)
-    if prompts.null_count:
-        raise ValueError(f"{where}, row {_first(pc.is_null(prompts))}: no prompt (column {prompt_field!r} "
-                         "is null or missing)")
-    blank = pc.equal(pc.utf8_trim_whitespace(prompts), "")
-    if pc.any(blank).as_py():
-        raise ValueError(f"{where}, row {_first(blank)}: the prompt is empty")
-    _check_lengths(prompts.to_pylist(), where, tokenize, max_prompt_tokens)
-    return table.to_pylist()
-
-
-def _check_chats(prompts: pa.ChunkedArray, where: str, tokenize: Callable[[list[Any]], list[list[int]]] | None,
-                 max_prompt_tokens: int | None) -> None:
-    chats = prompts.to_pylist()
-    for row, chat in enumerate(chats):
-        problem = "no prompt (the column is null or missing)" if chat is None else _messages_problem(chat)
+    if columns is None and prompt_field not in rows[0]:  # in JSON lines, a column is a key any row has
+        columns = list(dict.fromkeys(key for record in rows for key in record))
+    if columns is not None and prompt_field not in columns:
+        raise ValueError(f"{where} has no column {prompt_field!r} (columns: {columns})")
+    prompts = [record.get(prompt_field) for record in rows]
+    for row, prompt in enumerate(prompts):
+        if type(prompt) is str and prompt and not prompt.isspace():
+            continue  # the common case, without a call
+        problem = _prompt_problem(prompt, prompt_field, messages)
         if problem:
-            raise ValueError(f"{where}, row {row}: {problem}")
-    _check_lengths(chats, where, tokenize, max_prompt_tokens)
+            raise ValueError(f"{where}, {locate(row)}: {problem}")
+    _check_lengths(prompts, where, locate, tokenize, max_prompt_tokens)
+    return rows
 
 
-def _check_lengths(prompts: list[Any], where: str, tokenize: Callable[[list[Any]], list[list[int]]] | None,
-                   max_prompt_tokens: int | None) -> None:
+def _check_lengths(prompts: list[Any], where: str, locate: Callable[[int], str],
+                   tokenize: Callable[[list[Any]], list[list[int]]] | None, max_prompt_tokens: int | None) -> None:
     if tokenize is None:
         return
     for start in range(0, len(prompts), 1024):
         for row, ids in enumerate(tokenize(prompts[start:start + 1024]), start=start):
             if not ids:
-                raise ValueError(f"{where}, row {row}: the prompt tokenizes to nothing")
+                raise ValueError(f"{where}, {locate(row)}: the prompt tokenizes to nothing")
             if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-                raise ValueError(f"{where}, row {row}: the prompt is {len(ids)} tokens, more than the "
+                raise ValueError(f"{where}, {locate(row)}: the prompt is {len(ids)} tokens, more than the "
                                  f"{max_prompt_tokens} the model's context leaves for a prompt")
 
 

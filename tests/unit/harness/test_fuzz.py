@@ -158,11 +158,11 @@ def write_jsonl(path, rows):
 
 
 @pytest.mark.parametrize("rows, message", [
-    ([{"prompt": "a"}, {"prompt": ""}], r"row 1: the prompt is empty"),
-    ([{"prompt": "a"}, {"prompt": " \t"}], r"row 1: the prompt is empty"),
-    ([{"prompt": "a"}, {"prompt": None}], r"row 1: no prompt"),
-    ([{"prompt": "a"}, {"question": "b"}], r"row 1: no prompt"),
-    ([{"prompt": "a"}, {"prompt": 3}], r"line 2: column 'prompt' holds 3, not text"),
+    ([{"prompt": "a"}, {"prompt": ""}], r"row 1 \(line 2\): the prompt is empty"),
+    ([{"prompt": "a"}, {"prompt": " \t"}], r"row 1 \(line 2\): the prompt is empty"),
+    ([{"prompt": "a"}, {"prompt": None}], r"row 1 \(line 2\): no prompt"),
+    ([{"prompt": "a"}, {"question": "b"}], r"row 1 \(line 2\): no prompt"),
+    ([{"prompt": "a"}, {"prompt": 3}], r"row 1 \(line 2\): column 'prompt' holds 3 \(int\), not text"),
     ([{"prompt": "a"}, ["b"]], r"line 2 is not a JSON object"),
 ])
 def test_bad_rows_are_refused_at_load_time_with_the_file_and_row(tmp_path, rows, message):
@@ -174,7 +174,7 @@ def test_bad_rows_are_refused_at_load_time_with_the_file_and_row(tmp_path, rows,
 def test_bytes_broken_files_and_empty_files(tmp_path):
     broken = tmp_path / "broken.jsonl"
     broken.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
-    with pytest.raises(ValueError, match=r"row 1, column 'prompt' is not UTF-8 text"):
+    with pytest.raises(ValueError, match=r"broken.jsonl': line 2 is not UTF-8 text"):
         read_rows(broken, "prompt")
     cut = tmp_path / "cut.jsonl"
     cut.write_bytes(b'{"prompt": "ok"}\n{"prompt": "o\n')
@@ -207,13 +207,13 @@ def test_a_file_task_tokenizes_every_prompt_when_the_context_is_known(tmp_path):
     task = FileTask(file_section(path), tokenizer)  # no limit: nothing tokenized up front, as before
     assert task.prompt(0) == tokenizer("abc").input_ids
     task.close()
-    with pytest.raises(ValueError, match=r"row 1: the prompt is 9 tokens, more than the 8"):
+    with pytest.raises(ValueError, match=r"row 1 \(line 2\): the prompt is 9 tokens, more than the 8"):
         FileTask(file_section(path), tokenizer, max_prompt_tokens=8)
-    with pytest.raises(ValueError, match=r"row 2: the prompt tokenizes to nothing"):
+    with pytest.raises(ValueError, match=r"row 2 \(line 3\): the prompt tokenizes to nothing"):
         FileTask(file_section(path), tokenizer, max_prompt_tokens=9)
     train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "abc"}])
     held_out = write_jsonl(tmp_path / "held-out.jsonl", [{"prompt": "y" * 12}])
-    with pytest.raises(ValueError, match=r"held-out.jsonl', row 0: the prompt is 12 tokens"):
+    with pytest.raises(ValueError, match=r"held-out.jsonl', row 0 \(line 1\): the prompt is 12 tokens"):
         FileTask(file_section(train, eval_prompts=str(held_out)), tokenizer, max_prompt_tokens=10)
 
 
@@ -225,6 +225,6 @@ def test_the_launch_check_refuses_a_prompt_longer_than_the_models_context(tmp_pa
                                     'task.reward="harness.chaos.bad_rows:zero_reward"',
                                     f"model.path={json.dumps(str(tiny_model_dir))}"])
     positions = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
-    with pytest.raises(ConfigError, match=rf"task: prompt file .*row 1: the prompt is \d+ tokens, more than "
+    with pytest.raises(ConfigError, match=rf"task: prompt file .*row 1 \(line 2\): the prompt is \d+ tokens, more than "
                                           rf"the {positions - 1}"):
         check_model_and_task(config)

@@ -100,10 +100,10 @@ def test_text_and_chat_prompts_go_through_the_chat_template(files, chat_tokenize
 
 @pytest.mark.parametrize("chats, message", [
     ([[{"role": "user", "content": "1"}], [{"role": "robot", "content": "2"}]],
-     r"row 1: message 0 has role 'robot', not one of system, user, assistant, tool"),
+     r"row 1 \(line 2\): message 0 has role 'robot', not one of system, user, assistant, tool"),
     ([[{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]],
-     r"row 0: the chat ends with an assistant message"),
-    ([[{"role": "user", "content": "1"}], []], r"row 1: the chat has no messages"),
+     r"row 0 \(line 1\): the chat ends with an assistant message"),
+    ([[{"role": "user", "content": "1"}], []], r"row 1 \(line 2\): the chat has no messages"),
 ])
 def test_malformed_chats_are_refused_naming_the_row(files, chat_tokenizer, chats, message):
     with pytest.raises(ValueError, match=message):
@@ -172,3 +172,103 @@ def test_generation_stops_at_every_eos_token_the_model_lists(files, tiny_model_d
     (model_dir / "generation_config.json").write_text('{"eos_token_id": [5,')
     with pytest.raises(ValueError, match="generation_config.json is not a JSON object"):
         make_task(section(files), tokenizer, search_path=str(files))
+
+
+# ---- JSON lines: each line its own record ------------------------------------------------------------------
+
+def write_lines(path, records, blank_after=()):
+    """One JSON object a line; a blank line after each 0-based record index in `blank_after`."""
+    path.write_text("".join(json.dumps(r) + "\n" + ("\n" if i in blank_after else "") for i, r in enumerate(records)))
+    return path
+
+
+def test_a_rows_values_are_the_files_values(files, tiny_model_dir):
+    """Arrow's reader gave a column one type: a fraction on one line made every answer a float (4 -> 4.0,
+    so `str(row["answer"])` never matched) and integers past 2**53 came back rounded."""
+    from streamrl.tasks.files import read_rows
+
+    big = 18446744073709551617  # 2**64 + 1
+    path = write_lines(files / "mixed.jsonl", [{"prompt": "2+2", "answer": 4}, {"prompt": "1/2", "answer": 0.5},
+                                               {"prompt": "big", "answer": big},
+                                               {"prompt": "name", "answer": "four", "extra": [1, None]}])
+    rows = read_rows(path, "prompt")
+    assert [row["answer"] for row in rows] == [4, 0.5, big, "four"]
+    assert type(rows[0]["answer"]) is int and rows[2]["answer"] == big and "extra" not in rows[0]
+    (files / "str_rewards.py").write_text("def exact(completion, row):\n    return float(completion == str(row['answer']))\n")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    task = make_task(section(files, prompts=str(path), reward="str_rewards:exact", eval_prompts=None), tokenizer,
+                     search_path=str(files))
+    assert task.reward(0, tokenizer("4").input_ids + [tokenizer.eos_token_id]) == 1.0
+    task.close()
+    sys.modules.pop("str_rewards", None)
+
+
+def test_a_chat_file_whose_answers_mix_types_and_a_line_over_a_megabyte_load(files):
+    from streamrl.tasks.files import read_rows
+
+    chat = [{"role": "user", "content": "12"}]
+    path = write_lines(files / "chats.jsonl", [{"prompt": chat, "answer": 21}, {"prompt": chat, "answer": "21"}])
+    assert [row["answer"] for row in read_rows(path, "prompt", messages=True)] == [21, "21"]
+    long = write_lines(files / "long.jsonl", [{"prompt": "short"}, {"prompt": "x " * 750_000}])  # a 1.5 MB line
+    assert [len(row["prompt"]) for row in read_rows(long, "prompt")] == [5, 1_500_000]
+
+
+def test_a_file_of_many_blocks_and_blank_lines_names_the_row_and_its_line(files):
+    """Arrow read JSON in 1 MB blocks and named a row within its block ("row 12809" for line 200,001),
+    and a type change in any column failed the file."""
+    from streamrl.tasks.files import read_rows
+
+    records = [{"prompt": f"prompt {i}", "answer": i} for i in range(40_000)] + [{"prompt": "last", "answer": "x"}]
+    path = write_lines(files / "many.jsonl", records, blank_after={10})
+    rows = read_rows(path, "prompt")
+    assert len(rows) == 40_001 and rows[-1] == {"prompt": "last", "answer": "x"} and rows[11]["answer"] == 11
+    records[30_000]["prompt"] = 7
+    path = write_lines(files / "many.jsonl", records, blank_after={10, 20})
+    with pytest.raises(ValueError, match=r"many.jsonl', row 30000 \(line 30003\): column 'prompt' holds 7 \(int\), "
+                                         r"not text"):
+        read_rows(path, "prompt")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_null_or_non_object_message_is_refused_naming_the_row(files, suffix):
+    from streamrl.tasks.files import read_rows
+
+    good = [{"role": "user", "content": "hi"}]
+    chats = [good, good + [None]] if suffix == ".parquet" else [good, good + [None], good + ["hi"]]
+    path = files / f"chats{suffix}"
+    if suffix == ".parquet":
+        pq.write_table(pa.table({"prompt": chats}), path)
+    else:
+        write_lines(path, [{"prompt": chat} for chat in chats])
+    with pytest.raises(ValueError, match=r"row 1( \(line 2\))?: message 1 is None, not an object"):
+        read_rows(path, "prompt", messages=True)
+    if suffix == ".jsonl":
+        write_lines(path, [{"prompt": good + ["hi"]}])
+        with pytest.raises(ValueError, match=r"row 0 \(line 1\): message 1 is 'hi', not an object"):
+            read_rows(path, "prompt", messages=True)
+
+
+def test_an_unpaired_surrogate_is_refused_and_a_byte_order_mark_is_skipped(files):
+    """`json` reads the escape "\\ud800" as it is, a string no tokenizer can take (Arrow refused it,
+    naming only a row within a block)."""
+    from streamrl.tasks.files import read_rows
+
+    path = files / "surrogate.jsonl"
+    path.write_text('{"prompt": "\\ud83d\\ude00 ok"}\n{"prompt": "a\\ud800b"}\n')
+    with pytest.raises(ValueError, match=r"surrogate.jsonl': line 2 is not UTF-8 text \(an unpaired surrogate, "
+                                         r"\\ud800\)"):
+        read_rows(path, "prompt")
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "\\ud83d\\ude00 ok"}\r\n  {"prompt": "b"}\r\n')
+    assert read_rows(path, "prompt") == [{"prompt": "\U0001f600 ok"}, {"prompt": "b"}]
+
+
+@pytest.mark.parametrize("value", ["9" * 5000, "[" * 100_000 + "]" * 100_000])
+def test_a_line_json_cannot_read_is_named(files, value):
+    """Python's `json` has limits (integers of 4300 digits, nesting the recursion limit allows): the line
+    past them is named, not a bare ValueError or RecursionError."""
+    from streamrl.tasks.files import read_rows
+
+    path = files / "limits.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": "b", "answer": ' + value + "}\n")
+    with pytest.raises(ValueError, match=r"limits.jsonl': line 2 cannot be read \("):
+        read_rows(path, "prompt")
