@@ -22,6 +22,7 @@ ran alone or joined a busy batch mid-way (up to float rounding at the edge of a 
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 
@@ -104,6 +105,7 @@ class TorchEngine:
         self._cache: DynamicCache | None = None
         self._mask = self._positions = self._logits = self._logit_versions = None
         self._tokens: torch.Tensor | None = None  # drawn by `_sample`, forwarded by `_decode`
+        self._keyword_of: tuple[torch.nn.Module | None, str] = (None, "")  # (model, its cache keyword)
         self.last_step_s = 0.0
         self.generated_tokens = 0
 
@@ -173,9 +175,8 @@ class TorchEngine:
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                         logits_to_keep=1)
-        _check_filled(cache, width)
+        out = self._forward(cache, input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1)
+        _check_filled(cache, width, self._keyword_of[1])
         # each prompt's state, once per sample: the prefix was computed once for the group
         repeat = torch.repeat_interleave(torch.arange(len(joins), device=device),
                                          torch.tensor([n for _, _, n in joins], device=device))
@@ -225,13 +226,21 @@ class TorchEngine:
     def _decode(self) -> None:
         ones = torch.ones((len(self._rows), 1), dtype=self._mask.dtype, device=self._mask.device)
         self._mask = torch.cat([self._mask, ones], dim=1)
-        out = self.model(input_ids=self._tokens[:, None], attention_mask=self._mask, position_ids=self._positions,
-                         cache=self._cache, use_cache=True)
+        out = self._forward(self._cache, input_ids=self._tokens[:, None], attention_mask=self._mask,
+                            position_ids=self._positions)
         self._logits = out.logits[:, -1, :]
         self._logit_versions.fill_(self.weights.version)
         self._positions = self._positions + 1
         self._tokens = None
         self._trim()
+
+    def _forward(self, cache: DynamicCache, **inputs: torch.Tensor | int):
+        # the keyword is looked up once per model, not per step; `refresh` may swap in another model (the
+        # double-buffered receiver alternates two), so the lookup is redone when the model changes
+        model = self.model
+        if self._keyword_of[0] is not model:
+            self._keyword_of = (model, cache_keyword(model))
+        return model(**inputs, **{self._keyword_of[1]: cache}, use_cache=True)
 
     # ---- the batch's tensors -------------------------------------------------------------------------
     def _keep(self, rows: list[int]) -> None:
@@ -259,18 +268,30 @@ class TorchEngine:
                 layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
 
 
-def _check_filled(cache: DynamicCache, width: int) -> None:
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword `model.forward` takes its KV cache by: `cache` from transformers 5.24 on, `past_key_values`
+    before (5.24 renamed it; `past_key_values` is deprecated there, to be removed in 5.40).
+
+    Each release's models declare one name and take the other into **kwargs unused, so it must be the
+    declared one. `inspect.signature` follows the `functools.wraps` chain of the forward's decorators
+    (`deprecate_kwarg`, `can_return_tuple`, ...) to the declared parameters. A forward that declares
+    neither (a wrapper passing **kwargs on) gets `past_key_values`, which 5.0 to 5.39 all take (5.24 on
+    renamed by `deprecate_kwarg`); `_check_filled` catches a forward that drops it."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _check_filled(cache: DynamicCache, width: int, keyword: str) -> None:
     """The prefill wrote its `width` positions into our cache, or decoding would silently run without context.
 
-    A forward without a `cache` parameter (transformers < 5.24 names it `past_key_values`) takes `cache=`
-    into its **kwargs and ignores it. A shape read, once per join: nothing per decode step."""
+    A forward that takes the cache under another name than `keyword` puts it into its **kwargs and ignores
+    it. A shape read, once per join: nothing per decode step."""
     filled = cache.get_seq_length()
     if filled != width:
         raise RuntimeError(
-            f"the model did not fill the KV cache passed as `cache=` ({filled} of {width} prompt positions): "
-            f"transformers {transformers.__version__} is installed and streamrl needs transformers>=5.24, the "
-            "first release whose models take `cache=` (older ones ignore it; a custom model's forward must "
-            "take it too)")
+            f"the model did not fill the KV cache passed as `{keyword}=` ({filled} of {width} prompt positions; "
+            f"transformers {transformers.__version__}): the engine passes it as `cache=` to a forward that "
+            "declares `cache` (transformers >= 5.24), else as `past_key_values=` (earlier 5.x); a custom "
+            "model's forward must take it under one of these names and fill it")
 
 
 def _layers(cache: DynamicCache) -> list[DynamicLayer]:

@@ -1,14 +1,17 @@
 """The torch engine: continuous batching with exact behaviour log-probs, rows joining and leaving at any
 decode step, the prefix prefilled once per group, and weights switched between steps."""
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
 
 from streamrl.buffer.schema import LENGTH, STOP
+from streamrl.engine import torch_engine
 from streamrl.engine.base import generate
 from streamrl.engine.local_weights import LocalWeights
-from streamrl.engine.torch_engine import TorchEngine, counter_uniforms, draw, nucleus_logprobs
+from streamrl.engine.torch_engine import TorchEngine, cache_keyword, counter_uniforms, draw, nucleus_logprobs
 from streamrl.models.hf import load_policy
 from streamrl.tasks.reverse import EOS
 
@@ -191,18 +194,69 @@ def test_bad_arguments_are_refused(tiny_model_dir):
         engine.add(0, [1, 2], 0)
 
 
+def _with_forward(model, keyword):
+    """`model`'s forward replaced by one that declares its cache as `keyword` (as a transformers release does),
+    passes it on to the real forward under the name that one declares, and records per call whether the
+    cache came under `keyword` (and not the other name)."""
+    forward = model.forward
+    real = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    given = []
+
+    def forward_taking_cache(*args, cache=None, **kwargs):
+        given.append(cache is not None and "past_key_values" not in kwargs)
+        return forward(*args, **{real: cache}, **kwargs)
+
+    def forward_taking_past_key_values(*args, past_key_values=None, **kwargs):
+        given.append(past_key_values is not None and "cache" not in kwargs)
+        return forward(*args, **{real: past_key_values}, **kwargs)
+
+    model.forward = forward_taking_cache if keyword == "cache" else forward_taking_past_key_values
+    return given
+
+
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
+def test_the_cache_goes_under_the_name_the_forward_declares(tiny_model_dir, keyword):
+    """transformers >= 5.24 declares `cache`, 5.0-5.23 `past_key_values`; each takes the other into **kwargs
+    unused. Whichever the forward declares gets the cache, and the samples are those of the real model."""
+    model, _ = load_policy(tiny_model_dir)
+    prompts = [[1, 4, 5, 6, 15], [1, 7, 15]]
+    expected = generate(engine_for(model, stop_ids=NO_STOP), prompts, samples_per_prompt=2)
+    given = _with_forward(model, keyword)
+    got = generate(engine_for(model, stop_ids=NO_STOP), prompts, samples_per_prompt=2)
+    assert given == [True] * (1 + 5)  # one prefill, five decode steps
+    np.testing.assert_array_equal(got.tokens, expected.tokens)
+    np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-6)
+
+
+def test_the_keyword_is_looked_up_once_per_model(tiny_model_dir, monkeypatch):
+    """Not per step; again when `refresh` swaps in another model (the double-buffered receiver does)."""
+    model, _ = load_policy(tiny_model_dir)
+    other, _ = load_policy(tiny_model_dir)
+    _with_forward(other, "past_key_values")
+    looked_up = []
+    monkeypatch.setattr(torch_engine, "cache_keyword", lambda m: looked_up.append(m) or cache_keyword(m))
+    engine = engine_for(model, stop_ids=NO_STOP, max_new_tokens=4)
+    engine.add(0, [1, 4, 5, 15], 2)
+    engine.step(), engine.step()
+    engine.weights.model, engine.weights.version = other, 1  # what `refresh` does at a step boundary
+    run_until_done(engine)
+    assert looked_up == [model, other]
+
+
 def test_a_model_that_ignores_the_cache_kwarg_fails_loudly_at_prefill(tiny_model_dir, monkeypatch):
-    """transformers < 5.24 names the cache `past_key_values` and takes `cache=` into **kwargs unused: the
-    cache stays empty and every decode step would run without context. The first prefill refuses that."""
+    """A forward that declares neither `cache` nor `past_key_values` and drops the cache from its **kwargs
+    (a custom wrapper): the cache stays empty and every decode step would run without context. The first
+    prefill refuses that."""
     model, _ = load_policy(tiny_model_dir)
     forward = model.forward
 
-    def forward_of_an_old_release(*args, cache=None, **kwargs):
+    def forward_of_a_custom_model(*args, **kwargs):
+        kwargs.pop("cache", None), kwargs.pop("past_key_values", None)
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(model, "forward", forward_of_an_old_release)
+    monkeypatch.setattr(model, "forward", forward_of_a_custom_model)
     engine = engine_for(model)
     engine.add(0, [1, 4, 5, 15], 2)
-    with pytest.raises(RuntimeError, match=r"\(0 of 4 prompt positions\).*transformers .* streamrl needs "
-                                           r"transformers>=5\.24"):
+    with pytest.raises(RuntimeError, match=r"the KV cache passed as `past_key_values=` \(0 of 4 prompt positions; "
+                                           r"transformers 5\.\d+.*must take it under one of these names"):
         engine.step()
