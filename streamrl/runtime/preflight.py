@@ -88,10 +88,17 @@ def check_model_and_task(config: RunConfig) -> None:
         from transformers import AutoTokenizer
 
         from streamrl.tasks import make_task
+        from streamrl.tasks.files import MAX_NEW_TOKENS
 
+        # Room for a whole response: past the context a RoPE model decodes on without an error and learned
+        # positions fail, and sglang refuses the request (prompt + max_new_tokens over its context length).
+        response = config.sampling.max_new_tokens or MAX_NEW_TOKENS
+        if positions is not None and response >= positions:
+            raise ConfigError(f"sampling.max_new_tokens={response} leaves no room for a prompt in the model's "
+                              f"max_position_embeddings={positions}")
         try:  # reads and tokenizes the prompt files, imports the reward function: errors name the file or function
             make_task(config.task, AutoTokenizer.from_pretrained(config.model.path), search_path=os.getcwd(),
-                      max_prompt_tokens=None if positions is None else positions - 1)  # room for one response token
+                      max_prompt_tokens=None if positions is None else positions - response)
         except (ValueError, FileNotFoundError) as exc:
             raise ConfigError(f"task: {exc}") from exc
     kind = config.task.kind

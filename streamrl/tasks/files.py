@@ -32,6 +32,7 @@ from streamrl.config import TaskSection
 from streamrl.tasks.reward_guard import RewardGuard, import_reward, is_batched
 
 ROLES = ("system", "user", "assistant", "tool")
+MAX_NEW_TOKENS = 256  # a response's length when `sampling.max_new_tokens` does not say
 _JSON_SPACE = " \t\r\n"
 
 
@@ -217,7 +218,8 @@ def _check_lengths(prompts: list[Any], where: str, locate: Callable[[int], str],
                 raise ValueError(f"{where}, {locate(row)}: the prompt tokenizes to nothing")
             if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
                 raise ValueError(f"{where}, {locate(row)}: the prompt is {len(ids)} tokens, more than the "
-                                 f"{max_prompt_tokens} the model's context leaves for a prompt")
+                                 f"{max_prompt_tokens} the model's context leaves for a prompt "
+                                 "(max_position_embeddings − the response's sampling.max_new_tokens)")
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
@@ -312,7 +314,7 @@ class FileTask:
         return self._score(self.eval_rows[index], response_ids)
 
     def max_new_tokens(self) -> int:
-        return 256
+        return MAX_NEW_TOKENS
 
     def reward_failures(self) -> dict[str, int]:
         """Failed rewards so far, by kind (`raised`, `timeout`, `nan`, ...); empty while none failed."""

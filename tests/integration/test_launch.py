@@ -517,8 +517,25 @@ def test_a_file_task_with_a_missing_reward_module_is_refused_before_anything_sta
     (tmp_path / "p.jsonl").write_text('{"prompt": "12>"}\n')
     with pytest.raises(ConfigError, match="task: reward 'nowhere:f': cannot import module 'nowhere'"):
         prepare(None, tiny(tmp_path, "nofn", "task.kind=file", f"task.prompts={json.dumps(str(tmp_path / 'p.jsonl'))}",
-                           "task.reward=nowhere:f", f"model.path={json.dumps(str(tiny_model_dir))}"))
+                           "task.reward=nowhere:f", "sampling.max_new_tokens=3",
+                           f"model.path={json.dumps(str(tiny_model_dir))}"))
     assert not (tmp_path / "nofn").exists()
+
+
+def test_a_file_task_leaves_room_in_the_context_for_a_whole_response(tmp_path, tiny_model_dir, monkeypatch):
+    """A prompt is refused when it and `sampling.max_new_tokens` exceed the model's positions (32 here):
+    allowed up to positions − 1, it decoded past the context (RoPE: no error; sglang refuses the request)."""
+    (tmp_path / "rewards.py").write_text("def score(completion, row):\n    return 0.0\n")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "1" * 20 + ">"}) + "\n")
+    sets = ["task.kind=file", f"task.prompts={json.dumps(str(tmp_path / 'p.jsonl'))}", "task.reward=rewards:score",
+            f"model.path={json.dumps(str(tiny_model_dir))}"]
+    monkeypatch.chdir(tmp_path)  # the reward module is imported from the launch directory
+    with pytest.raises(ConfigError, match="row 0 .* more than the 16 the model's context leaves for a prompt"):
+        prepare(None, tiny(tmp_path, "long", *sets, "sampling.max_new_tokens=16"))
+    with pytest.raises(ConfigError, match="sampling.max_new_tokens=256 leaves no room for a prompt"):
+        prepare(None, tiny(tmp_path, "default", *sets))  # the file task's default response length
+    config, run_dir, _ = prepare(None, tiny(tmp_path, "fits", *sets, "sampling.max_new_tokens=8"))
+    run_dir.release()
 
 
 def test_auto_staleness_moves_eta_within_its_range_logs_each_decision_and_resumes_with_it(ray_local, tmp_path):
