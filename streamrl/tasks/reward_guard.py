@@ -9,15 +9,24 @@ failure is counted by kind, with the last few messages kept, so a bug in a rewar
     caller thread (a producer)                  worker process (a fresh interpreter, one per guard)
     guard(completion, row) ──► socket ─────────► fn(completion, row)     fn imported once, at start,
           waits ≤ timeout_s ◄── socket ◄── ("value", x) | (kind, message)  from "module:function"
-          nothing by then: kill the worker (the next call starts a new one)
+          nothing by then: kill the worker's process group (the next call starts a new one)
     judge: x finite and in [low, high] → x;  anything else → record (kind, message), return fallback
 
 A hang can only be cut from outside the interpreter running it (a thread cannot be interrupted), hence
 the process; calls go over one persistent socket pair, so a call costs a round trip, not a process. The
 worker is a new interpreter (`python -c _WORKER`), not a fork: producers live in threaded Ray workers,
 and a fork of a threaded process can inherit locks held by threads that do not exist in the child. It
-imports the function with the same search path, and exits when its parent does, even while the function
-hangs: a thread polls the parent's pid (and end of file on the socket ends it too).
+imports the function with the same search path.
+
+The worker leads a process group (and session) of its own, and the processes the function starts (a
+code-execution reward runs the candidate in a subprocess) are in it unless they leave on purpose. A hung
+worker is stopped by killing the group, so a timed-out call leaves nothing running; closing the guard lets
+the worker exit, then kills what is left in its group. The group also dies with the parent, even while the
+function hangs: a thread in the worker polls the parent's pid, and end of file on the socket without a
+request to exit means the same. (Linux's parent-death signal is not used: it follows the thread that
+started the worker, not the process, and would kill only the worker.) In a session of its own, neither
+the worker nor the function's processes get the terminal's Ctrl-C; the parent handles it and closes the
+worker.
 
 `isolation = "inline"` calls the function in the caller's thread: no pickling and no round trip, but a
 hang is not cut (the timeout is not enforced) and a crash of the interpreter takes the caller with it.
@@ -43,7 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NoReturn, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -165,15 +174,23 @@ class InlineCaller:
         pass
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:  # reparented (to init or a subreaper) once the parent is gone
-        time.sleep(_PARENT_POLL_S)
+def _end_group() -> NoReturn:
+    """In the worker: SIGKILL its process group (itself and what the function started), or just exit
+    if it does not lead a group of its own (then the group is someone else's)."""
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpgrp(), signal.SIGKILL)
     os._exit(1)
 
 
+def _exit_with_parent(parent_pid: int) -> NoReturn:
+    while os.getppid() == parent_pid:  # reparented (to init or a subreaper) once the parent is gone
+        time.sleep(_PARENT_POLL_S)
+    _end_group()
+
+
 def _serve(conn: Connection, parent_pid: int, spec: str, search_path: str | None) -> None:
-    """The worker process: import the function, then answer calls until the socket closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes the worker
+    """The worker process: import the function, then answer calls until the parent asks it to exit
+    (`None`); end of file instead means the parent is gone, and ends the worker's process group."""
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
     try:
         fn = import_reward(spec, search_path)
@@ -183,9 +200,12 @@ def _serve(conn: Connection, parent_pid: int, spec: str, search_path: str | None
     conn.send(("ready", None))
     while True:
         try:
-            completion, row = conn.recv()
+            request = conn.recv()
         except EOFError:
+            _end_group()
+        if request is None:  # the parent's close: it kills what is left of the group once this has exited
             return
+        completion, row = request
         conn.send(call_reward(fn, completion, row))
 
 
@@ -198,9 +218,32 @@ _serve(Connection(int(sys.argv[2])), int(sys.argv[3]), sys.argv[4], sys.argv[5] 
 """The worker's program: argv = package root, socket fd, parent pid, spec, search path."""
 
 
+def _exited(process: subprocess.Popen, within_s: float) -> bool:
+    """Whether a child has exited, waiting up to `within_s`, without reaping it where the platform allows:
+    until it is reaped its pid, which is the id of the process group it leads, cannot be reused, so the
+    group can still be signalled without hitting someone else's."""
+    if not hasattr(os, "waitid"):  # macOS before Python 3.13: reaped, so its group's id is reusable once empty
+        try:
+            process.wait(timeout=within_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            if os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+        except ChildProcessError:  # reaped already (SIGCHLD ignored in this process): exited
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+
+
 class ProcessCaller:
     """The function called in a worker process, over a socket pair; a call that outlasts `timeout_s`
-    kills the worker, and the next call starts a new one."""
+    kills the worker and everything the function started (the worker's process group), and the next call
+    starts a new worker."""
 
     def __init__(self, spec: str, search_path: str | None, timeout_s: float):
         self.spec, self.search_path, self.timeout_s = spec, search_path, timeout_s
@@ -214,7 +257,7 @@ class ProcessCaller:
         return None if self._process is None else self._process.pid
 
     def call(self, completion: str | list[str], row: dict[str, Any]) -> Outcome | list[Outcome]:
-        if self._process is not None and self._process.poll() is not None:
+        if self._process is not None and _exited(self._process, 0.0):
             self._stop()  # it died between calls (killed from outside): not this call's failure
         if self._process is None:
             self._start()
@@ -222,7 +265,8 @@ class ProcessCaller:
             self._conn.send((completion, row))
             if not self._conn.poll(self.timeout_s):
                 self._stop(hung=True)
-                return "timeout", f"no result within {self.timeout_s:g} s (task.reward_timeout_s): worker killed"
+                return "timeout", (f"no result within {self.timeout_s:g} s (task.reward_timeout_s): "
+                                   "worker and its child processes killed")
             return self._conn.recv()
         except (EOFError, OSError):  # the function ended the process: os._exit, a native crash, the OOM killer
             return "raised", f"the reward worker process died during the call (exit code {self._stop()})"
@@ -232,13 +276,14 @@ class ProcessCaller:
         # script in the child, which fails for a script without an `if __name__ == "__main__"` guard.
         # Popen execs at once (no Python runs between fork and exec), so a threaded parent is safe.
         # streamrl's root goes last on the worker's path: streamrl imports as it does here, nothing is shadowed.
+        # A new session: the worker's process group is its own to kill, and the terminal's Ctrl-C stays here.
         ours, theirs = socket.socketpair()
         package_root = str(Path(__file__).resolve().parents[2])
         with theirs:
             process = subprocess.Popen(
                 [sys.executable, "-c", _WORKER, package_root, str(theirs.fileno()), str(os.getpid()), self.spec,
                  self.search_path or ""],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
         self._process, self._conn = process, Connection(ours.detach())
         self.starts += 1
         if not self._conn.poll(_START_TIMEOUT_S):
@@ -254,18 +299,25 @@ class ProcessCaller:
             raise ValueError(f"{message} (in the reward worker process)")
 
     def _stop(self, hung: bool = False) -> int | None:
-        """End the worker (a hung one is killed); its exit code."""
+        """End the worker and whatever the function left running in its process group: an idle worker
+        is asked to exit (its atexit handlers run) and given a second, a hung one is killed at once; the
+        worker's exit code."""
         process, conn = self._process, self._conn
         self._process = self._conn = None
         if process is None:
             return None
-        conn.close()  # an idle worker reads end of file and returns
         if not hung:
             try:
-                return process.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                pass
-        process.kill()  # SIGKILL: a hung function may ignore SIGTERM
+                conn.send(None)  # exit; end of file alone would mean this process is gone
+            except OSError:
+                pass  # the worker has died already: nobody to ask
+        conn.close()
+        if not hung:
+            _exited(process, 1.0)
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # SIGKILL: a hung function may ignore SIGTERM
+        except ProcessLookupError:
+            pass  # the worker was reaped already and its group is empty
         return process.wait(timeout=10.0)
 
     def close(self) -> None:

@@ -1,6 +1,7 @@
 """Failed rewards (raised, hung, NaN, None, not a number, out of range) are recorded per sample and the run goes on."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from streamrl.tasks import make_task
 from streamrl.tasks.reward_guard import RewardGuard
 
 REWARDS = '''
-import math, os, time
+import math, os, subprocess, time
 
 def reward(completion, row):
     """Does what the completion says; otherwise returns the completion's length."""
@@ -32,6 +33,12 @@ def reward(completion, row):
         return 10**400  # an int no float holds
     if completion == "weird":
         return Weird()
+    if completion in ("run child", "leave child"):  # a code-execution reward: the candidate runs in a subprocess
+        child = subprocess.Popen(["sleep", "600"])
+        with open(row["pid_file"] + ".part", "w") as f:
+            f.write(str(child.pid))
+        os.replace(row["pid_file"] + ".part", row["pid_file"])
+        return 1.0 if completion == "leave child" else float(child.wait())
     return {"nan": math.nan, "inf": -math.inf, "none": None, "text": "1.0", "big": 1e30,
             "list": [1.0], "true": True}.get(completion, float(len(completion)))
 
@@ -79,6 +86,21 @@ def wait_gone(pid: int, within_s: float) -> bool:
     return not alive(pid)
 
 
+def child_pid(pid_file: Path, within_s: float = 30.0) -> int:
+    """The pid of the process the reward started, once it has written it."""
+    deadline = time.monotonic() + within_s
+    while not pid_file.exists():
+        assert time.monotonic() < deadline, "the reward did not start its child"
+        time.sleep(0.05)
+    return int(pid_file.read_text())
+
+
+def kill_if_alive(pid_file: Path) -> None:
+    """A test that failed must not leave the reward's `sleep 600` behind."""
+    if pid_file.exists() and alive(pid := int(pid_file.read_text())):
+        os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("isolation", ["process", "inline"])
 def test_each_failed_reward_gets_the_fallback_is_recorded_and_the_next_call_works(rewards, isolation):
     guard = RewardGuard("guard_rewards:reward", rewards, isolation=isolation, low=-10, high=10, fallback=-0.5,
@@ -114,6 +136,27 @@ def test_a_hang_is_cut_at_the_timeout_and_a_new_worker_takes_the_next_call(rewar
         guard.close()
 
 
+@pytest.mark.parametrize("ends", ["timeout", "close"])
+def test_a_timed_out_or_closed_worker_leaves_none_of_the_rewards_processes_running(rewards, tmp_path, ends):
+    guard = RewardGuard("guard_rewards:reward", rewards, timeout_s=2.0)
+    pid_file = tmp_path / "child.pid"
+    try:
+        if ends == "timeout":  # killed while the reward waits for its child
+            assert guard("run child", {"pid_file": str(pid_file)}) == 0.0 and guard.counts == {"timeout": 1}
+            assert wait_gone(child_pid(pid_file), 5.0)
+            assert "worker and its child processes killed" in guard.recent[-1].message
+            assert guard("ok", {}) == 2.0 and guard.caller.starts == 2
+        else:  # the reward returned, but left its child running
+            assert guard("leave child", {"pid_file": str(pid_file)}) == 1.0
+            assert alive(child_pid(pid_file))
+        worker = guard.caller.pid
+        guard.close()
+        assert wait_gone(worker, 5.0) and wait_gone(child_pid(pid_file), 5.0)
+    finally:
+        guard.close()
+        kill_if_alive(pid_file)
+
+
 def test_a_worker_that_dies_mid_call_or_between_calls_is_replaced(rewards):
     guard = RewardGuard("guard_rewards:reward", rewards)
     try:
@@ -137,31 +180,42 @@ def test_a_reward_the_worker_cannot_import_is_an_error_not_a_failed_reward(tmp_p
 
 
 ORPHAN = '''
-import sys
+import sys, time
 from streamrl.tasks.reward_guard import RewardGuard
 guard = RewardGuard("guard_rewards:reward", sys.argv[1], timeout_s=600)
 guard("ok", {})
 print(guard.caller.pid, flush=True)
-if sys.argv[2] == "hang":
-    guard("hang", {})
+guard(sys.argv[2], {"pid_file": sys.argv[3]})
+if sys.argv[4] == "sigkill":
+    time.sleep(600)
 '''
 
 
-@pytest.mark.parametrize("parent_ends", ["sigkill while the reward hangs", "exits without close"])
-def test_the_worker_does_not_outlive_its_parent(rewards, parent_ends):
-    parent = subprocess.Popen([sys.executable, "-c", ORPHAN, rewards, parent_ends.split()[-1]], stdout=subprocess.PIPE,
-                              text=True)
+@pytest.mark.parametrize("parent_ends, reward", [
+    ("sigkill", "hang"),  # while the reward hangs
+    ("sigkill", "run child"),  # while the reward waits for its child
+    ("sigkill", "leave child"),  # while the worker is idle, the reward's child still running
+    ("exits without close", "ok"),
+    ("exits without close", "leave child"),
+])
+def test_the_worker_and_the_rewards_processes_do_not_outlive_the_parent(rewards, tmp_path, parent_ends, reward):
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen([sys.executable, "-c", ORPHAN, rewards, reward, str(pid_file), parent_ends],
+                              stdout=subprocess.PIPE, text=True)
     try:
         worker = int(parent.stdout.readline())
         assert alive(worker)
-        if parent_ends.startswith("sigkill"):
-            time.sleep(0.3)  # the hanging call is under way
+        child = child_pid(pid_file) if "child" in reward else None
+        if parent_ends == "sigkill":
+            time.sleep(0.3)  # the call under way, or over
             parent.send_signal(signal.SIGKILL)
         parent.wait(timeout=30)
         assert wait_gone(worker, 5.0)
+        assert child is None or wait_gone(child, 5.0)
     finally:
         parent.kill()
         parent.wait()
+        kill_if_alive(pid_file)
 
 
 ROW_REWARDS = '''
