@@ -3,7 +3,9 @@
 Shapes follow sglang's `http_server.py` / `io_struct.py` for the versions `protocol.SUPPORTED` names (every
 route and field used here is listed in `protocol.py` and checked against the real source by
 `benchmarks/sglang_conformance.py`). A non-2xx answer raises `SglangError` with the server's message, a
-server that cannot be reached raises `EngineUnreachable` (the caller restarts it). With an API key every
+server that cannot be reached, or whose connection breaks under a request, raises `EngineUnreachable` (the
+caller restarts it), and one that takes the connection but does not answer within the request's timeout
+raises `EngineTimeout` (a busy server is alive: restarting it would not help). With an API key every
 request carries `Authorization: Bearer KEY`, which a server started with `--api-key` requires (401
 without it). Control calls (weights, pause, memory) are blocking, over the standard library; `/generate`
 is also offered as a coroutine (`generate_async`, aiohttp), so that one event loop keeps hundreds of
@@ -23,11 +25,16 @@ from urllib.parse import urlsplit
 
 
 class SglangError(RuntimeError):
-    """The server answered, with an error."""
+    """The server answered, with an error (or, `EngineTimeout`, did not answer in time)."""
 
 
 class EngineUnreachable(ConnectionError):
     """The server did not answer: it died, or never started."""
+
+
+class EngineTimeout(SglangError, TimeoutError):
+    """The server took the request but did not answer within its timeout: it may be alive and busy (or
+    stuck), so this is not `EngineUnreachable`."""
 
 
 @dataclass
@@ -56,14 +63,22 @@ class SglangClient:
 
     def call(self, path: str, payload: dict[str, Any] | None = None, *, method: str = "POST",
              timeout_s: float | None = None) -> dict[str, Any]:
-        connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s or self.timeout_s)
+        timeout = timeout_s or self.timeout_s
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
-            body = None if payload is None else json.dumps(payload)
-            connection.request(method, path, body=body, headers=self._headers())
-            response = connection.getresponse()
-            data = response.read()
-        except (ConnectionError, http.client.HTTPException, TimeoutError, OSError) as exc:
-            raise EngineUnreachable(f"sglang server {self.url}{path}: {exc}") from exc
+            try:
+                connection.connect()
+            except OSError as exc:  # refused, no route, or no connection in time: nothing serves there
+                raise EngineUnreachable(f"sglang server {self.url}{path}: {exc}") from exc
+            try:
+                body = None if payload is None else json.dumps(payload)
+                connection.request(method, path, body=body, headers=self._headers())
+                response = connection.getresponse()
+                data = response.read()
+            except TimeoutError as exc:  # connected, then silence: the server may well be alive
+                raise EngineTimeout(f"sglang server {self.url}{path}: no answer within {timeout:g} s") from exc
+            except (http.client.HTTPException, OSError) as exc:  # the connection broke under the request
+                raise EngineUnreachable(f"sglang server {self.url}{path}: {exc}") from exc
         finally:
             connection.close()
         return self._answer(path, response.status, data)
@@ -100,7 +115,11 @@ class SglangClient:
             async with self._session.post(f"http://{self.host}:{self.port}/generate", json=payload,
                                           headers=self._headers()) as response:
                 status, data = response.status, await response.read()
-        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
+        except aiohttp.ConnectionTimeoutError as exc:  # a TimeoutError too, but it never connected
+            raise EngineUnreachable(f"sglang server {self.url}/generate: {exc!r}") from exc
+        except TimeoutError as exc:
+            raise EngineTimeout(f"sglang server {self.url}/generate: no answer within {self.timeout_s:g} s") from exc
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
             raise EngineUnreachable(f"sglang server {self.url}/generate: {exc!r}") from exc
         return _segment(self._answer("/generate", status, data))
 
@@ -204,6 +223,8 @@ class SglangClient:
             try:
                 self.call("/flush_cache", {})
                 return
+            except EngineTimeout:
+                raise  # not a refusal: the flush did not answer
             except SglangError:
                 time.sleep(wait_s)
         raise SglangError(f"sglang server {self.url}/flush_cache: still busy after {attempts} attempts")

@@ -9,7 +9,9 @@
  load one version (the engine has paused that server): POST /begin_weight_update, then per bucket:
    producer: POST /update_weights_from_distributed (names, dtypes, shapes) in a thread
    sender: broadcast each tensor of the bucket from rank 0, in the same order  ◄─ broadcast
-   join the POST (its error raises) and the broadcasts (bounded by the group's timeout)
+   wait for both together (bounded by the group's timeout): an error on either side raises at once,
+   not after the other side's timeout (a sender that fails leaves the server's POST waiting for tensors
+   that never come); a server's refusal, which breaks the broadcast too, is the error raised
  then POST /end_weight_update (sglang ≥ 0.5.21 refuses a load outside the session, without joining
  the broadcast: the sender's side would wait for peers that never come until the group is closed)
  a failed load drops the group on both sides (/destroy_weights_update_group: its state is unknown);
@@ -31,9 +33,11 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
+import queue
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -44,13 +48,14 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from streamrl.net import is_loopback
-from streamrl.sglang.client import EngineUnreachable, SglangClient, SglangError
+from streamrl.sglang.client import EngineTimeout, EngineUnreachable, SglangClient, SglangError
 from streamrl.weights.arrays import read_only_tensors, resolve
 
 # Group names are unique across processes (torch refuses a name twice in one, and a replacement
 # producer must not reuse a dead one's names in the sender): this process's token, then a count.
 _names = itertools.count()
 _PROCESS_TOKEN = secrets.token_hex(4)
+_REFUSAL_GRACE_S = 1.0  # after the sender's error, how long the server's refusal may take to come first
 
 
 def plan_buckets(arrays: Mapping[str, np.ndarray | TensorSpec], bucket_bytes: int) -> list[list[str]]:
@@ -123,25 +128,44 @@ def join_group(store: dist.Store, *, backend: str, world_size: int, rank: int, g
 
 
 class _Call(threading.Thread):
-    """A blocking call in a thread, its result or error kept for `result`."""
+    """A blocking call in a thread, its result or error kept for `result`; put on `done` when it ends."""
 
-    def __init__(self, name: str, fn: Callable[[], Any]):
+    def __init__(self, name: str, fn: Callable[[], Any], done: queue.SimpleQueue | None = None):
         super().__init__(name=name, daemon=True)
-        self.fn, self.value, self.error = fn, None, None
+        self.fn, self.value, self.error, self.done = fn, None, None, done
+        self.ended = threading.Event()
 
     def run(self) -> None:
         try:
             self.value = self.fn()
         except BaseException as exc:
             self.error = exc
+        finally:
+            self.ended.set()
+            if self.done is not None:
+                self.done.put(self)
 
     def result(self, timeout_s: float, what: str) -> Any:
-        self.join(timeout_s)
-        if self.is_alive():
+        if not self.ended.wait(timeout_s):
             raise TimeoutError(f"{what}: no answer within {timeout_s:.0f} s")
         if self.error is not None:
             raise self.error
         return self.value
+
+
+def _join_all(calls: dict[_Call, str], done: queue.SimpleQueue, timeout_s: float) -> None:
+    """Wait for `calls` (each put on `done` when it ends, named by its value in `calls`), raising the first
+    error as soon as it appears rather than after the others end; a call still running at the end raises
+    TimeoutError."""
+    deadline = time.monotonic() + timeout_s
+    pending = dict(calls)
+    while pending:
+        try:
+            call = done.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            call = next(iter(pending))
+            raise TimeoutError(f"{pending[call]}: no answer within {timeout_s:.0f} s") from None
+        call.result(0.0, pending.pop(call))
 
 
 class Sender(Protocol):
@@ -277,22 +301,33 @@ class UpdateGroup:
 
     def send(self, names: Sequence[str], specs: Sequence[TensorSpec], weights: Any) -> None:
         """One bucket: announce it to the server while the sender broadcasts it from `weights` (inside
-        the server's weight-update session). A refused announcement raises at once; the sender's
-        broadcast then ends with the group, which the caller drops."""
+        the server's weight-update session). A refused announcement, or a broadcast that fails (no group,
+        no memory for the bucket), raises at once (the sender's error up to `_REFUSAL_GRACE_S` later, in
+        case the server refuses too); the other side then ends with the group, which the caller drops."""
         if not self.open_:
             raise RuntimeError(f"update group {self.name} is not open")
+        done: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         post = _Call("update-from-distributed", lambda: self.client.update_weights_from_distributed(
             list(names), [s.dtype for s in specs], [list(s.shape) for s in specs], group_name=self.name,
-            timeout_s=self.timeout_s))
-        sending = _Call("broadcast", lambda: self.sender.broadcast(self.name, weights, list(names), self.timeout_s))
+            timeout_s=self.timeout_s), done)
+        sending = _Call("broadcast", lambda: self.sender.broadcast(self.name, weights, list(names), self.timeout_s),
+                        done)
         post.start()
         sending.start()
-        post.result(self.timeout_s + 5.0, f"{self.client.url}/update_weights_from_distributed")
-        sending.result(self.timeout_s + 5.0, f"broadcast into {self.name}")
+        try:
+            _join_all({post: f"{self.client.url}/update_weights_from_distributed",
+                       sending: f"broadcast into {self.name}"}, done, self.timeout_s + 5.0)
+        except BaseException as exc:
+            # a server that refuses the bucket (a new process, outside the group) breaks the sender's
+            # broadcast too, as fast: its refusal says why, the sender's "peer closed" does not
+            if exc is sending.error and post.ended.wait(_REFUSAL_GRACE_S) and post.error is not None:
+                raise post.error  # noqa: B904 - the sender's error stays on it as its context
+            raise
 
     def close(self, *, on_server: bool = False) -> None:
         """Leave the group on the sender's side and, with `on_server`, on the server's (which keeps a
-        group it joined until told: after a failed load, say). A server that died took its group along."""
+        group it joined until told: after a failed load, say). A server that died took its group along; one
+        that does not answer in time (EngineTimeout) is alive and may still hold it: that raises."""
         if not self.open_:
             return
         self.open_ = False
@@ -300,6 +335,8 @@ class UpdateGroup:
             if on_server:
                 try:
                     self.client.destroy_weights_update_group(self.name)
+                except EngineTimeout:
+                    raise  # the server is alive and may still hold the group: not a death to ignore
                 except EngineUnreachable:
                     pass  # the server process is gone, and its side of the group with it
                 except SglangError as exc:  # "does not exist": the server never joined (a new process, say)
@@ -368,8 +405,11 @@ def distributed_loader(groups: UpdateGroups, weights: Any, bucket_bytes: int) ->
             with client.weight_update_session():
                 for names in buckets:
                     group.send(names, [specs[name] for name in names], weights)
-        except BaseException:
-            groups.drop(client)
+        except BaseException as exc:
+            try:
+                groups.drop(client)
+            except Exception as dropping:  # the load's own error says what went wrong: it raises
+                exc.add_note(f"dropping the update group of {client.url} failed too: {dropping!r}")
             raise
 
     return load

@@ -585,6 +585,10 @@ def test_a_server_that_refuses_a_bucket_raises_at_once_and_the_next_load_opens_a
     try:
         distributed_loader(groups, mixed_weights(1), 2560)(client)
         server.restart()  # a new process, outside the old group
+        # the stand-in imports torch on its first load (seconds; sglang has it loaded): its refusal would
+        # come after the sender's "peer closed", which raises once the server has had a moment to refuse
+        with pytest.raises(SglangError, match="must run between begin_weight_update"):
+            post(server, "/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": []})
         began = time.monotonic()
         with pytest.raises(SglangError, match="Group .* not in"):
             distributed_loader(groups, mixed_weights(2), 2560)(client)
@@ -593,6 +597,121 @@ def test_a_server_that_refuses_a_bucket_raises_at_once_and_the_next_load_opens_a
         assert groups.opened == 2 and server_digest(server) == arrays_digest(mixed_weights(2))
     finally:
         groups.close()
+
+
+def test_an_update_whose_sender_fails_at_once_raises_its_error_at_once_and_does_not_load_again(io, server):
+    """Before, the server's POST was awaited first: it waited for tensors that never came until its
+    timeout, the timeout read as a dead server, and the whole load ran again through a new group; the
+    update raised "timed out" after twice the group's timeout, never the sender's own error."""
+    from streamrl.weights.broadcast import GroupSender, UpdateGroups, distributed_loader
+
+    class FailingSender(GroupSender):
+        fail = False
+
+        def broadcast(self, name, weights, names, timeout_s):
+            if self.fail:
+                raise RuntimeError("CUDA out of memory (simulated) copying the bucket")
+            return super().broadcast(name, weights, names, timeout_s)
+
+    sender = FailingSender()
+    groups = UpdateGroups(sender, timeout_s=10, generation=lambda client: server.restarts)
+    engine = SglangEngine(SglangClient(server.url), io, server=server)
+    try:
+        engine.update_weights(1, distributed_loader(groups, mixed_weights(1), 2560))
+        sender.fail = True
+        began = time.monotonic()
+        with pytest.raises(RuntimeError, match="CUDA out of memory"):
+            engine.update_weights(2, distributed_loader(groups, mixed_weights(2), 2560))
+        assert time.monotonic() - began < 3  # not the group's 10 s timeout
+        sequence = [c["path"] for c in calls(server)]
+        after = sequence[sequence.index("/continue_generation") + 1:]
+        assert after == ["/pause_generation", "/begin_weight_update", "/update_weights_from_distributed",
+                         "/end_weight_update", "/destroy_weights_update_group"]  # one try, no new group
+        assert server.restarts == 0 and groups.opened == 1 and engine.version == 1
+    finally:
+        groups.close()
+
+
+def test_a_request_that_times_out_on_a_live_server_is_no_crash():
+    """Before, a timeout read as an unreachable server: an update whose load timed out was taken for a
+    crash and run again on the live server (and raised EngineUnreachable)."""
+    from streamrl.sglang.client import EngineTimeout, EngineUnreachable
+
+    server = start_fake("--update-delay-s", "1.0")
+    loop = EventLoopThread()
+    try:
+        engine = SglangEngine(SglangClient(server.url), loop, server=server)
+        loads = []
+
+        def slow_load(client):
+            loads.append(1)
+            client.call("/update_weights_from_disk", {"model_path": "unused"}, timeout_s=0.2)
+
+        with pytest.raises(EngineTimeout, match="no answer within 0.2 s") as raised:
+            engine.update_weights(1, slow_load)
+        assert not isinstance(raised.value, EngineUnreachable)
+        assert loads == [1] and server.restarts == 0 and engine.stats["restarts"] == 0
+        # a generation that outlasts the client's timeout: the sample is lost, the live server kept
+        slow = SglangEngine(SglangClient(server.url, timeout_s=0.3), loop, server=server)
+        slow.client.continue_generation()  # the failed update left the server paused
+        with pytest.raises(EngineLost, match="no answer within 0.3 s"):
+            sample(slow, [1], max_new_tokens=2000)
+        assert server.restarts == 0 and slow.stats["restarts"] == 0
+    finally:
+        loop.close()
+        server.stop()
+
+
+def test_the_client_tells_a_server_that_is_not_there_from_one_that_does_not_answer():
+    """Only a failed connection is unreachable; a connection taken and left unanswered is a timeout."""
+    import asyncio
+    import socket
+
+    from streamrl.sglang.client import EngineTimeout, EngineUnreachable
+
+    with socket.socket() as silent:  # accepts connections (the backlog does) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        client = SglangClient(f"http://127.0.0.1:{silent.getsockname()[1]}", timeout_s=0.2)
+        with pytest.raises(EngineTimeout) as raised:
+            client.call("/model_info", method="GET")
+        assert not isinstance(raised.value, EngineUnreachable)
+        with pytest.raises(EngineTimeout):
+            asyncio.run(_generate_once(client))
+    client = SglangClient(f"http://127.0.0.1:{free_port()}", timeout_s=0.2)  # nothing listens
+    with pytest.raises(EngineUnreachable):
+        client.call("/model_info", method="GET")
+    with pytest.raises(EngineUnreachable):
+        asyncio.run(_generate_once(client))
+
+
+async def _generate_once(client: SglangClient):
+    try:
+        return await client.generate_async([1], max_new_tokens=1)
+    finally:
+        await client.close_async()
+
+
+def test_dropping_a_group_on_a_server_that_does_not_answer_raises():
+    """Before, a destroy that timed out was taken for a dead server (its group gone with it) and ignored."""
+    import socket
+
+    from streamrl.sglang.client import EngineTimeout
+    from streamrl.weights.broadcast import GroupSender, UpdateGroup
+
+    with socket.socket() as silent:  # accepts connections (the backlog does) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        sender = GroupSender()
+        group = UpdateGroup(SglangClient(f"http://127.0.0.1:{silent.getsockname()[1]}"), sender, timeout_s=10)
+        sender.open_group(group.name, 1, server=("127.0.0.1", 1), node=None, timeout_s=10)  # rank 0 alone
+        sender.joined(group.name, 10)
+        group.open_ = True
+        destroy = group.client.destroy_weights_update_group
+        group.client.destroy_weights_update_group = lambda name: destroy(name, timeout_s=0.2)  # not 30 s
+        with pytest.raises(EngineTimeout, match="destroy_weights_update_group: no answer within 0.2 s"):
+            group.close(on_server=True)
+    assert sender.close_groups("") == 0  # the sender's side was left all the same
 
 
 # ---- the stand-in refuses what sglang refuses (read from sglang 0.5.21–0.5.23's source) ---------------------

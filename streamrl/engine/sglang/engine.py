@@ -10,9 +10,11 @@ pause that server alone.
           close the gate (no new request from here) ─► pause_generation(abort): returns once nothing runs
             ─► load (tensor and distributed paths: inside begin/end_weight_update) ─► update_weight_version
             ─► flush_cache ─► continue_generation ─► open the gate
- crash:   a request that cannot reach its server, as an update: take the update lock, close the gate,
-          restart it, reload and label the newest weights, open the gate; then raise EngineLost: the
-          caller gives the group's prompt back (the other requests it failed find it alive: one restart)
+ crash:   a request that cannot reach its server (or gets no answer in time), as an update: take the
+          update lock, close the gate, restart it unless it answers, reload and label the newest weights,
+          open the gate; then raise EngineLost: the caller gives the group's prompt back (the other
+          requests it failed find it alive: one restart). An update that cannot reach its server
+          restarts it and loads again; one that finds it alive raises (the same load would fail again)
  colocated with the trainer: release (pause, flush, free GPU memory) ─► trainer steps ─► resume
 ```
 A request sent just before the gate here closed can reach the server after its pause began: it waits
@@ -41,7 +43,7 @@ import numpy as np
 
 from streamrl.buffer.schema import LENGTH, STOP
 from streamrl.engine.sglang.server import ServerProcess
-from streamrl.sglang.client import EngineUnreachable, SglangClient, SglangError
+from streamrl.sglang.client import EngineTimeout, EngineUnreachable, SglangClient, SglangError
 
 if TYPE_CHECKING:  # the type only: the weight paths pull in torch and safetensors
     from streamrl.weights.server_paths import Loader
@@ -52,7 +54,8 @@ T = TypeVar("T")
 
 
 class EngineLost(RuntimeError):
-    """A server died under a request; it was restarted with the newest weights, the sample is lost."""
+    """A request failed on its server (it died, or did not answer in time); a server that does not answer
+    was restarted with the newest weights; the sample is lost."""
 
 
 class EventLoopThread:
@@ -129,9 +132,9 @@ class SglangEngine:
                 segment = await self.client.generate_async(
                     list(prompt) + tokens, max_new_tokens=max_new_tokens - len(tokens), temperature=temperature,
                     top_p=top_p, stop_token_ids=list(stop_token_ids), seed=seed, rid=rid)
-            except EngineUnreachable as exc:
+            except (EngineUnreachable, EngineTimeout) as exc:
                 await asyncio.get_running_loop().run_in_executor(None, self._recover, exc)
-                raise EngineLost(f"{self.client.url} died under a request") from exc
+                raise EngineLost(f"{self.client.url} failed a request: {exc}") from exc
             except asyncio.CancelledError:  # the group was stopped: the server need not finish it
                 asyncio.get_running_loop().run_in_executor(None, self._abort_quietly, rid)
                 raise
@@ -176,7 +179,8 @@ class SglangEngine:
     # ---- weights (blocking: the producer's weights thread) ----------------------------------------------
     def update_weights(self, version: int, load: Loader) -> float:
         """Pause this server, load `version` with `load`, resume; the seconds it was paused. A failed
-        load leaves the server paused and raises (its weights are then unknown)."""
+        load leaves the server paused and raises (its weights are then unknown); one that could not reach
+        the server restarts it (if it died) and loads again."""
         with self._update_lock:
             self._close_gate()
             started = time.perf_counter()
@@ -184,7 +188,7 @@ class SglangEngine:
                 try:
                     self._swap(version, load)
                 except EngineUnreachable as exc:  # the server died: restart it, then load this version into it
-                    self._restart(exc)
+                    self._restart(exc)  # raises exc if the server is alive: the failure was not a death
                     self._swap(version, load)
             finally:
                 self._open_gate()
@@ -253,17 +257,22 @@ class SglangEngine:
             self._close_gate()
             try:
                 self._restart(cause)
+            except BaseException as exc:
+                if exc is not cause:
+                    raise
+                # alive: restarted by another request, or the failure was the request's: the sample is lost
             finally:
                 self._open_gate()
 
     def _restart(self, cause: BaseException) -> None:
         """Restart a dead server and reload the newest weights into it; the caller holds the update lock
-        and the gate closed, so no request reaches the new server before they are labelled."""
+        and the gate closed, so no request reaches the new server before they are labelled. A server that
+        turns out alive is left as it is and `cause` raises: it was not a death, and the caller decides."""
         if self.server is None or self.closing:
-            raise EngineLost(f"{self.client.url} is unreachable"
+            raise EngineLost(f"{self.client.url} did not answer"
                              f"{' (stopping)' if self.closing else ' and streamrl did not start it'}") from cause
         if self.server.alive() and self.client.alive():
-            return  # another request already restarted it (or the failure was not the server's)
+            raise cause  # another request already restarted it, or the failure was not the server's
         log.warning("the sglang server at %s died (%s): restarting it", self.client.url, cause)
         self.server.restart()
         self.stats["restarts"] += 1
