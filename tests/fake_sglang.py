@@ -104,6 +104,17 @@ def log_call(state: State, what: str) -> None:
             log.write(f"{state.args.port} {what}\n")
 
 
+def check_context_length(context: int, prompt: int, max_new: int) -> None:
+    """sglang's tokenizer refuses, past its pause gate (`_validate_one_request` of 0.5.21 and 0.5.23), a
+    prompt as long as the context and a prompt + max_new_tokens longer than it (no --allow-auto-truncate)."""
+    if prompt >= context:
+        raise ValueError(f"The input ({prompt} tokens) is longer than the model's context length ({context} tokens).")
+    if prompt + max_new > context:
+        raise ValueError(f"Requested token count exceeds the model's maximum context length of {context} tokens. "
+                         f"You requested a total of {prompt + max_new} tokens: {prompt} tokens from the input "
+                         f"messages and {max_new} tokens for the completion.")
+
+
 def generate(state: State, body: dict) -> tuple[int, dict]:
     ids = body.get("input_ids")
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
@@ -124,6 +135,7 @@ def generate(state: State, body: dict) -> tuple[int, dict]:
         state.cond.wait_for(lambda: not state.paused)
         if state.released:  # let through while the memory is away: sglang's scheduler would run it without any
             raise ValueError("memory is released: resume_memory_occupation first")
+        check_context_length(state.args.context_length, len(ids), max_new)
         state.running[rid] = False
         log_call(state, "generate:scheduled")  # past the gate (the calls log has its arrival as "/generate")
     rng = random.Random(f"{params.get('sampling_seed', 0)}/{rid}/{len(ids)}")
@@ -482,6 +494,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--vocab-size", type=int, default=17)
+    parser.add_argument("--context-length", type=int, default=32768, help="the model's max_position_embeddings")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--token-delay-s", type=float, default=0.002)
     parser.add_argument("--update-delay-s", type=float, default=0.2)

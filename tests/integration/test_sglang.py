@@ -258,6 +258,21 @@ def test_server_errors_name_the_problem_and_a_failed_load_leaves_the_version(io,
     assert engine.version == 0 and engine.stats["updates"] == 0
 
 
+def test_the_stand_in_refuses_a_request_past_the_context_length_as_sglang_does(io):
+    """sglang refuses a prompt + max_new_tokens over its context (streamrl's launch refuses such prompts
+    first): a stand-in that accepted it let no CPU test see it."""
+    server = start_fake("--context-length", "16")
+    try:
+        engine = SglangEngine(SglangClient(server.url), io)
+        with pytest.raises(SglangError, match="exceeds the model's maximum context length of 16 tokens"):
+            sample(engine, [1] * 10, max_new_tokens=7)
+        with pytest.raises(SglangError, match=r"The input \(16 tokens\) is longer than the model's context length"):
+            sample(engine, [1] * 16, max_new_tokens=1)
+        assert len(sample(engine, [1] * 10, max_new_tokens=6).tokens) == 6
+    finally:
+        server.stop()
+
+
 def test_stopping_a_server_leaves_no_process(server):
     pid = server.process.pid
     server.stop()
