@@ -217,17 +217,7 @@ def test_a_producer_waiting_for_newer_weights_wakes_for_them_and_for_a_stop(tiny
     model, _ = load_policy(tiny_model_dir)
     registry.publish(0, state_arrays(model))
     producer = endless(make_producer(tiny_model_dir, queue, registry, groups=3, admit_timeout=60))
-    stop, errors = threading.Event(), []
-
-    def run():
-        try:
-            producer.run(stop)
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    try:
+    with running(producer) as errors:  # its exit stops the producer and waits for it (up to 30 s)
         assert wait_until(lambda: queue.status()["admitted"] == 1)
         queue.set_version(1)
         assert wait_until(lambda: producer.last_blocked_by == "stale_weights")
@@ -236,10 +226,7 @@ def test_a_producer_waiting_for_newer_weights_wakes_for_them_and_for_a_stop(tiny
         queue.set_version(2)  # stale again, and no newer weights to come
         assert wait_until(lambda: producer.last_blocked_by == "stale_weights")
         stopped = time.perf_counter()
-    finally:
-        stop.set()
-        thread.join(timeout=90)
-    assert not thread.is_alive() and not errors
+    assert not errors
     assert time.perf_counter() - stopped < 10  # not the rest of admit_timeout
 
 
