@@ -2,7 +2,7 @@
 side of publishing.
 
 ```
- trainer: write(v, arrays) into shared memory ──datagram──► producers on this machine (SharedWeightsWriter)
+ trainer: write(v, arrays) into shared memory ──message──► producers on this machine (SharedWeightsWriter)
           put(arrays) once ──► publish(v, [ref]) ──► WeightsActor (registry: versions kept, long polls)
                           └──► offer_weights(v, [ref]) ──► every other subscribed producer (one hop)
  producer: long poll acquire(holder, have) ◄── a producer that missed an offer, or started later
@@ -27,7 +27,7 @@ import ray
 
 from streamrl import logs
 from streamrl.weights.registry import WeightRegistry
-from streamrl.weights.shared_memory import SHARED_MAX_BYTES, SharedAddress, SharedWeightsWriter
+from streamrl.weights.shared_memory import SHARED_MAX_BYTES, SharedAddress, SharedWeightsWriter, sealing_supported
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class WeightPublisher:
         reached); (None, none) when no producer reads shared memory or the version is too large for it."""
         with self._lock:
             shared = dict(self._shared)
-        if not shared or sum(a.nbytes for a in arrays.values()) > SHARED_MAX_BYTES:
+        if not shared or sum(a.nbytes for a in arrays.values()) > SHARED_MAX_BYTES or not sealing_supported():
             return None, set()
         if self._writer is None:
             self._writer = SharedWeightsWriter()
