@@ -4,7 +4,7 @@
 
 For each size and producer count, in the same run:
   publish_fetch_s  the trainer's path (`WeightPublisher`: up to 64 MB written into shared memory and announced
-                   to every producer with a datagram, as to producers on the trainer's machine in a run; larger
+                   to every producer with a message, as to producers on the trainer's machine in a run; larger
                    versions put once, announced to the weights actor and offered to every producer over Ray)
                    until every producer has them in its process (mapped, or fetched from the object store,
                    before its copy into the standby model, which `ready_s` includes) — the real path
