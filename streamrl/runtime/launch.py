@@ -206,13 +206,15 @@ class Run:
             self._view.print(text)
 
     # ---- the loop ------------------------------------------------------------------------------------------
-    def _await(self, ref: ray.ObjectRef, stopping: Callable[[], str | None] | None = None) -> Any:
-        """Wait for a trainer call and, at the same time, for any producer's run to end: a producer that
-        died is replaced at once (however fast the trainer's calls return), one that failed fails the run.
-        While `stopping` gives a reason (a stop asked for, or the time limit passed), a step that still waits
-        for its groups (admission paused, say) is cancelled and returns None; `stopped_by` says why."""
+    def _await(self, ref: ray.ObjectRef, stopping: Callable[[], str | None] | None = None, *,
+               watch_producers: bool = True) -> Any:
+        """Wait for a trainer call and, at the same time (`watch_producers`), for any producer's run to end:
+        a producer that died is replaced at once (however fast the trainer's calls return), one that failed
+        fails the run. While `stopping` gives a reason (a stop asked for, or the time limit passed), a step
+        that still waits for its groups (admission paused, say) is cancelled and returns None; `stopped_by`
+        says why."""
         while True:
-            runs = self.producers.watched if self.producers is not None else []
+            runs = self.producers.watched if self.producers is not None and watch_producers else []
             # a bounded wait, so that Ctrl-C reaches the driver between waits
             ready, _ = ray.wait([ref, *runs], num_returns=1, timeout=1.0)
             reason = stopping() if stopping is not None else None
@@ -385,8 +387,9 @@ class Run:
     def finish(self, view: ProgressView) -> dict[str, Any]:
         view.close()
         if self._pending is not None:  # interrupted mid-step: a step already training finishes and is recorded
-            # cancelled again each second until it returns: a cancel that lands before the step starts is lost
-            result = self._await(self._pending, lambda: self.stopped_by or "stopped")
+            # cancelled again each second until it returns: a cancel that lands before the step starts is lost.
+            # Producers are not watched: the run is stopping, and one that ends now is dealt with at their stop.
+            result = self._await(self._pending, lambda: self.stopped_by or "stopped", watch_producers=False)
             if result is None:
                 self._pending = None
             else:
