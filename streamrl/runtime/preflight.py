@@ -12,7 +12,6 @@ command can be fixed and run again.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -48,7 +47,7 @@ def check_resume_overrides(saved: RunConfig, wanted: RunConfig) -> None:
 
 
 def model_facts(config: RunConfig) -> dict[str, Any]:
-    """The model's `config.json` (model.path), or what the built-in model will be built with."""
+    """Vocabulary, context length and depth of the model at model.path, or of the built-in model."""
     if config.task.kind == "sim":
         return {"vocab_size": config.sim.vocab_size}  # no model: the simulator's tokens
     if config.model.path is None:
@@ -59,7 +58,16 @@ def model_facts(config: RunConfig) -> dict[str, Any]:
     model_dir = Path(config.model.path).expanduser()
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model.path {str(model_dir)!r} is not a Hugging Face model directory (no config.json)")
-    return json.loads((model_dir / "config.json").read_text())
+    from transformers import AutoConfig
+
+    # Through transformers, not the JSON's keys: GPT-2 spells the context `n_positions` and the depth
+    # `n_layer` (its attribute map answers to the common names), multimodal models nest the language
+    # model's fields under `text_config`.
+    try:
+        text = AutoConfig.from_pretrained(model_dir).get_text_config()
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"model.path {str(model_dir)!r}: transformers cannot read its config.json ({exc})") from exc
+    return {key: getattr(text, key, None) for key in ("vocab_size", "max_position_embeddings", "num_hidden_layers")}
 
 
 def resolve_paths(config: RunConfig) -> RunConfig:

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from streamrl.config import ConfigError, load_config
+from streamrl.runtime.preflight import check_model_and_task as preflight_model
 from streamrl.runtime.preflight import check_resume_overrides, preflight
 from streamrl.runtime.supervision import producer_seed
 
@@ -48,3 +49,28 @@ def test_a_replacement_producer_draws_other_random_numbers_than_the_one_it_repla
     seeds = {producer_seed(0, pid, version, restart) for pid in range(3) for version in (0, 5)
              for restart in range(3)}
     assert len(seeds) == 18 and producer_seed(0, 1, 5, 2) == producer_seed(0, 1, 5, 2)
+
+
+@pytest.mark.parametrize("architecture", ["gpt2", "nested"])
+def test_the_models_context_and_depth_are_read_whatever_the_architecture_calls_them(tmp_path: Path, architecture):
+    """GPT-2's config says `n_positions` and `n_layer`; a multimodal config nests them under `text_config`.
+    Reading only `max_position_embeddings` at the top skipped both checks for such models."""
+    from transformers import GPT2Config, LlavaConfig
+
+    if architecture == "gpt2":
+        GPT2Config(n_positions=32, n_layer=3, n_embd=16, n_head=2).save_pretrained(tmp_path)
+    else:
+        LlavaConfig(text_config={"model_type": "qwen2", "max_position_embeddings": 32, "num_hidden_layers": 3,
+                                 "hidden_size": 16, "num_attention_heads": 2}).save_pretrained(tmp_path)
+    model = f"model.path=\"{tmp_path}\""
+    with pytest.raises(ConfigError, match="max_new_tokens=40 leaves no room for a prompt .* max_position_embeddings=32"):
+        preflight_model(config(model, "task.kind=\"file\"", "task.prompts=\"p.jsonl\"", "task.reward=\"m:f\"",
+                               "sampling.max_new_tokens=40"))
+    with pytest.raises(ConfigError, match="pipeline_parallel=2 does not divide the model's 3 layers"):
+        preflight_model(config(model, "trainer.backend=\"megatron\"", "trainer.pipeline_parallel=2"))
+
+
+def test_a_model_config_transformers_cannot_read_is_refused_naming_the_directory(tmp_path: Path):
+    (tmp_path / "config.json").write_text("{}")  # no model_type
+    with pytest.raises(ConfigError, match=f"model.path '{tmp_path}': transformers cannot read its config.json"):
+        preflight_model(config(f"model.path=\"{tmp_path}\""))
