@@ -188,7 +188,8 @@ class SglangEngine:
                 try:
                     self._swap(version, load)
                 except EngineUnreachable as exc:  # the server died: restart it, then load this version into it
-                    self._restart(exc)  # raises exc if the server is alive: the failure was not a death
+                    if not self._restart(exc):
+                        raise  # the server is alive: the failure was not a death
                     self._swap(version, load)
             finally:
                 self._open_gate()
@@ -256,23 +257,19 @@ class SglangEngine:
         with self._update_lock:
             self._close_gate()
             try:
-                self._restart(cause)
-            except BaseException as exc:
-                if exc is not cause:
-                    raise
-                # alive: restarted by another request, or the failure was the request's: the sample is lost
+                self._restart(cause)  # False when alive: restarted by another request, or the request's failure
             finally:
                 self._open_gate()
 
-    def _restart(self, cause: BaseException) -> None:
-        """Restart a dead server and reload the newest weights into it; the caller holds the update lock
-        and the gate closed, so no request reaches the new server before they are labelled. A server that
-        turns out alive is left as it is and `cause` raises: it was not a death, and the caller decides."""
+    def _restart(self, cause: BaseException) -> bool:
+        """Restart a dead server and reload the newest weights into it (True); the caller holds the update
+        lock and the gate closed, so no request reaches the new server before they are labelled. A server
+        that turns out alive is left as it is (False): it was not a death, and the caller decides."""
         if self.server is None or self.closing:
             raise EngineLost(f"{self.client.url} did not answer"
                              f"{' (stopping)' if self.closing else ' and streamrl did not start it'}") from cause
         if self.server.alive() and self.client.alive():
-            raise cause  # another request already restarted it, or the failure was not the server's
+            return False  # another request already restarted it, or the failure was not the server's
         log.warning("the sglang server at %s died (%s): restarting it", self.client.url, cause)
         self.server.restart()
         self.stats["restarts"] += 1
@@ -280,6 +277,7 @@ class SglangEngine:
             version, load = self._loaded
             load(self.client)
             self._label(version, load)
+        return True
 
 
 async def _clear(event: asyncio.Event) -> None:
