@@ -223,7 +223,8 @@ class TrainerSection(_Section):
     """Optimizer steps of linear warm-up from lr / warmup_steps to lr."""
     lr_decay_steps: int | None = Field(None, ge=1)
     """The optimizer step at which a cosine or linear decay reaches lr × min_lr_ratio (counted from the
-    start, warm-up included). None: the run's, run.steps × minibatches."""
+    start, warm-up included). None: the run's, run.steps × minibatches. A resume that would move that end
+    (another run.steps or minibatches) must set it: to the old end to keep the schedule, or to a new one."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (Hugging Face models, torch backend): less memory,
@@ -370,7 +371,7 @@ class RunConfig(_Section):
                                  "reverse task's characters")
         if task.system_prompt is not None and not task.chat_template:
             raise ValueError("task.system_prompt is put in by the chat template: set task.chat_template = true")
-        if queue.group_size < 2 and self.trainer.advantage != "drgrpo":
+        if queue.group_size < 2:  # every advantage is relative to the group's others: alone, it is 0
             raise ValueError(f"queue.group_size={queue.group_size}: group advantages need at least 2 samples "
                              "per prompt")
         if self.trainer.minibatches > queue.groups_per_step:

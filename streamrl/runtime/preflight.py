@@ -44,6 +44,16 @@ def check_resume_overrides(saved: RunConfig, wanted: RunConfig) -> None:
         if _section(saved, field) != _section(wanted, field):
             raise ConfigError(f"{field} cannot change when resuming (the run was started with "
                               f"{_section(saved, field)!r})")
+    # A decay's end defaults to the run's length: extending a finished cosine run would, unasked, put its
+    # learning rate back up the curve (5.5× at the end of a 100-step run resumed for 200). As megatron's
+    # scheduler refuses a checkpoint's decay steps that differ from the arguments', the user says which.
+    schedule = wanted.trainer.lr_schedule
+    planned, now = (c.trainer.lr_decay_steps or c.optimizer_steps for c in (saved, wanted))
+    if schedule != "constant" and wanted.trainer.lr_decay_steps is None and planned != now:
+        raise ConfigError(f"trainer.lr_schedule = {schedule!r} decays until optimizer step {planned} (run.steps × "
+                          f"trainer.minibatches of the run so far); these settings would move its end to {now} "
+                          f"and the learning rate with it. Set trainer.lr_decay_steps: {planned} keeps the "
+                          "schedule (steps after it run at lr × min_lr_ratio), another value re-plans it")
 
 
 def model_facts(config: RunConfig) -> dict[str, Any]:

@@ -153,6 +153,9 @@ def run_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, *, version: i
     diagnosed = diagnose and fresh is not None and backend.shard(np.arange(len(lengths))).size == len(lengths)
     extra = _alignment_with_fresh(backend, plan, batch, fresh, adv, proximal=proximal, reference=reference,
                                   version=version, keywords=keywords) if diagnosed else {}
+    # the fresh batch's log-probs at the step's starting weights, as the trainer computes them: its
+    # behaviour log-probs are the sampler's, renormalised over the top-p set, not the policy's
+    before = _every_rows_logprobs(backend, plan, fresh) if diagnosed else None
     saved = backend.snapshot() if len(parts) > 1 else None
     grad_norms = []
     step_tokens = int(mask.sum())
@@ -167,7 +170,7 @@ def run_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, *, version: i
                 backend.restore(saved)
             raise
     if diagnosed:
-        extra.update(_update_kl(backend, plan, fresh))
+        extra.update(_update_kl(backend, plan, fresh, before))
     totals = diagnostics.finish(whole_step_ess(mean_mismatch(merge_ranks(backend.gather_metrics(totals)))))
     totals.update(extra, grad_norm=float(np.mean(grad_norms)), response_tokens=step_tokens,
                   trained_tokens=int(lengths.sum()), samples=len(lengths), optimizer_steps=len(parts),
@@ -196,11 +199,10 @@ def _alignment_with_fresh(backend: Backend, plan: StepPlan, batch: PaddedBatch, 
         len(lengths) // plan.group_size, plan.group_size, np.random.default_rng(version))
 
 
-def _update_kl(backend: Backend, plan: StepPlan, fresh: PaddedBatch) -> dict[str, float]:
-    """KL(before → after the step) on `fresh`, sampled by the weights before it (its behaviour log-probs)."""
-    lengths, mask, _ = _padded_parts(fresh, plan)
-    after = forward_logprobs(backend, fresh, lengths, np.arange(len(lengths)), plan.micro_batch_tokens)
-    before = fresh.behavior_logprobs[:, 1:]
+def _update_kl(backend: Backend, plan: StepPlan, fresh: PaddedBatch, before: torch.Tensor) -> dict[str, float]:
+    """KL(before → after the step) on `fresh`, sampled by the weights before it; `before`: their log-probs."""
+    mask = fresh.loss_mask[:, 1:]
+    after = _every_rows_logprobs(backend, plan, fresh)
     return diagnostics.finish(diagnostics.update_kl_sums(before, after, mask.bool() & torch.isfinite(before)))
 
 
@@ -302,6 +304,11 @@ def forward_logprobs(backend: Backend, batch: PaddedBatch, lengths: np.ndarray, 
     for part, logprobs in zip(parts, backend.logprobs(batch, lengths, parts, reference=reference)):
         out[torch.from_numpy(part), :logprobs.shape[1]] = logprobs
     return out
+
+
+def _every_rows_logprobs(backend: Backend, plan: StepPlan, batch: PaddedBatch) -> torch.Tensor:
+    lengths = (batch.prompt_lengths + batch.response_lengths).cpu().numpy()
+    return forward_logprobs(backend, batch, lengths, np.arange(len(lengths)), plan.micro_batch_tokens)
 
 
 def m2po_batch_cutoff(backend: Backend, batch: PaddedBatch, rows: np.ndarray, proximal: torch.Tensor,

@@ -44,6 +44,7 @@ def test_no_time_limit_survives_the_round_trip_through_config_toml(tmp_path, no_
     (["loss.name=ppo"], r"loss\.name: Input should be 'decoupled_ppo', 'ppo_bypass'"),
     (["task.kind=file"], r"task.kind = 'file' needs task\.prompts and task\.reward"),
     (["queue.group_size=1"], r"group advantages need at least 2 samples"),
+    (["queue.group_size=1", "trainer.advantage=\"drgrpo\""], r"group advantages need at least 2 samples"),
     (["trainer.colocated=true"], r"trainer\.colocated = true needs producers\.engine = 'sglang' with"),
     (["producers.engine=sglang", "producers.num_gpus=1", "producers.sglang.servers=2"],
      r"producers\.num_gpus=1 is fewer than the 2 GPUs its sglang servers use"),

@@ -45,6 +45,21 @@ def test_a_resume_may_not_change_what_defines_the_data_or_the_model():
     check_resume_overrides(config(), config("run.steps=5000"))  # how long it runs may change
 
 
+def test_a_resume_that_would_move_a_decaying_schedules_end_must_say_where_it_ends():
+    """The decay's end defaults to run.steps × minibatches: extending a finished cosine run put its
+    learning rate back up the curve, 5.5× at the end of a 100-step run resumed for 200 (outside review)."""
+    cosine = ("trainer.lr_schedule=\"cosine\"", "run.steps=100")
+    for moved in ("run.steps=200", "trainer.minibatches=2"):
+        with pytest.raises(ConfigError, match=r"decays until optimizer step 100 .* move its end to 200 .* "
+                                              r"Set trainer.lr_decay_steps: 100 keeps the schedule"):
+            check_resume_overrides(config(*cosine), config(*cosine, moved))
+    check_resume_overrides(config(*cosine), config(*cosine, "run.steps=200", "trainer.lr_decay_steps=100"))
+    check_resume_overrides(config(*cosine), config(*cosine, "run.steps=200", "trainer.lr_decay_steps=200"))
+    check_resume_overrides(config("run.steps=100"), config("run.steps=200"))  # constant: nothing moves
+    explicit = (*cosine, "trainer.lr_decay_steps=80")
+    check_resume_overrides(config(*explicit), config(*explicit, "run.steps=300"))  # its end was never the run's
+
+
 def test_a_replacement_producer_draws_other_random_numbers_than_the_one_it_replaces():
     seeds = {producer_seed(0, pid, version, restart) for pid in range(3) for version in (0, 5)
              for restart in range(3)}

@@ -431,6 +431,20 @@ def test_a_diagnosed_step_samples_its_prompts_again_and_compares_the_gradients(t
     assert "update_kl" not in t.train(batch(seed=1))  # version 1: not
 
 
+def test_update_kl_measures_the_step_not_the_samplers_top_p_truncation(tiny_model_dir):
+    """`before` was the sampler's log-prob, renormalised over the top-p set: a step that hardly moves
+    the weights read 0.04 at top_p = 0.7 (outside review). Both sides are now the trainer's."""
+    class ParityOfTokens(ReverseDigits):
+        def reward(self, prompt_id, response_ids):
+            return float(sum(response_ids) % 2)
+
+    for top_p in (1.0, 0.7):
+        t = TorchTrainer(tiny_model_dir, trainer=TrainerSection(diagnose_every=1, lr=1e-12), loss=LossConfig(),
+                         group_size=4)
+        t.diagnose_with(ParityOfTokens(3), max_new_tokens=6, temperature=1.0, top_p=top_p)
+        assert t.train(batch(groups=4, group_size=4))["update_kl"] < 1e-6
+
+
 def test_a_model_with_dropout_is_trained_without_it_so_on_policy_ratios_are_one(tiny_model_dir, tmp_path):
     """The engines sample in eval mode: with the config's dropout on in training, θ differed from the
     behaviour log-prob of the very weights that sampled (0.075 at attention_dropout = 0.1), and two no-grad
