@@ -52,7 +52,8 @@ class QueueConfig(BaseModel):
     """Groups admitted but not yet committed, over all producers."""
 
     capacity_tokens: int = Field(4_000_000, ge=1)
-    """Admission stops while the queued groups hold this many tokens (prompt + response) or more."""
+    """Admission stops while the queued groups hold this many tokens (prompt + response) or more, unless
+    fewer groups are queued and running than one train step takes (a trainer would wait for them forever)."""
 
     admission: Literal["continuous", "per_step"] = "continuous"
     """`continuous`: a slot opens as soon as the staleness formula allows (streaming). `per_step`: the

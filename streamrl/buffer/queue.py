@@ -240,7 +240,10 @@ class ReplayQueue:
                 trainer_version=self._version, max_staleness=self._eta,
                 weights_version=weights_version):
             return 0, "stale_weights"
-        if self._queued_tokens >= cfg.capacity_tokens:
+        # The capacity bounds memory, but never below one step's batch: with fewer groups queued and
+        # running than a step takes, the trainer would wait for a batch that admission never lets form.
+        short_of_a_step = cfg.groups_per_step - len(self._queued) - len(self._running)
+        if self._queued_tokens >= cfg.capacity_tokens and short_of_a_step <= 0:
             return 0, "capacity"
         in_flight = cfg.max_in_flight - len(self._running)
         rule = dict(trainer_version=self._version, max_staleness=self._eta,
@@ -256,6 +259,8 @@ class ReplayQueue:
             if left_in_batch == 0 and self._running:
                 return 0, "batch"  # the previous step's batch still has groups generating
             budget = min(budget, left_in_batch or cfg.groups_per_step)
+        if self._queued_tokens >= cfg.capacity_tokens:
+            budget = min(budget, short_of_a_step)
         return min(budget, in_flight), None
 
     def _issue(self, producer_id: int, count: int) -> list[Ticket]:

@@ -95,6 +95,22 @@ def test_in_flight_cap_capacity_and_stale_weights(rng):
     assert len(queue.admit(0, 1, weights_version=1).tickets) == 1
 
 
+def test_a_capacity_below_one_steps_tokens_still_lets_a_batch_form(rng):
+    """Admission stopped at the capacity with fewer groups queued than a step takes and none running:
+    the trainer waited for a batch that could never form (`streamrl launch --set queue.capacity_tokens=1000`
+    failed with NoBatchError after get_timeout_s; outside review)."""
+    queue = ReplayQueue(QueueConfig(group_size=2, groups_per_step=4, max_staleness=4, max_in_flight=8,
+                                    capacity_tokens=50))
+    first = queue.admit(0, 2).tickets
+    queue.commit(synthetic_batch(first, 2, prompt_len=10, response_len=10, rng=rng))  # 80 tokens ≥ 50
+    second = queue.admit(0, 8)
+    assert len(second.tickets) == 2  # just what the step still lacks
+    assert queue.admit(0, 1).blocked_by == "capacity"  # four groups queued or running: the step will form
+    queue.commit(synthetic_batch(second.tickets, 2, prompt_len=10, response_len=10, rng=rng))
+    assert len(queue.get(timeout=0).groups) == 4
+    assert len(queue.admit(0, 8).tickets) == 8  # drained below the capacity: the in-flight cap binds
+
+
 def test_pause_and_resume_act_on_one_named_hold_and_are_idempotent():
     queue = ReplayQueue(QueueConfig(group_size=1, groups_per_step=1))
     assert queue.pause() is False and queue.pause() is True  # the operator's hold, taken twice
