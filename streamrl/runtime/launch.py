@@ -51,7 +51,15 @@ from streamrl.runtime.rundir import (
     RunDirError,
 )
 from streamrl.runtime.summary import summarize
-from streamrl.runtime.supervision import ProducerFailed, Producers, RunActors, RunFailed, first_line, last_line
+from streamrl.runtime.supervision import (
+    ProducerFailed,
+    Producers,
+    RunActors,
+    RunFailed,
+    first_line,
+    last_line,
+    raised_in,
+)
 from streamrl.weights.actor import WeightsActor
 
 __all__ = ["Run", "RunFailed", "launch", "prepare"]
@@ -230,19 +238,26 @@ class Run:
             self.producers.ended(ready[0], step=self.step)
 
     def failure(self, exc: BaseException) -> RunFailed | None:
-        """What to tell the user when the loop failed because a queue, weights or trainer actor died;
-        None when they are all alive (the error is something else and propagates as it is)."""
+        """What to tell the user when the loop failed because a queue, weights or trainer actor died, or
+        raised an error of its own (a step's state is then unknown: no checkpoint is written after it);
+        None for a NoBatchError (every actor is fine: the caller stops with a checkpoint) or an error
+        that is not an actor's (it propagates as it is)."""
         role = self.actors.dead_core_actor()
-        if role is None:
+        if role is not None:
+            what, detail, record = f"the {role} actor died", first_line(exc), {"dead": role}
+        elif isinstance(exc, ray.exceptions.RayTaskError) and not isinstance(exc.cause, NoBatchError):
+            task = raised_in(exc)
+            what, detail, record = f"{task} raised", last_line(exc), {"raised": task}
+        else:
             return None
         checkpoint = self.run_dir.latest_checkpoint_name()
         resume = (f"To resume from {checkpoint}: streamrl launch --resume {self.run_dir.path}" if checkpoint else
-                  "No checkpoint was written yet (run.checkpoint_every): start the run again")
-        log.error("the %s actor died at step %s (%s)", role, self.step, first_line(exc))
-        self.run_dir.append(EVENTS_FILE, {"event": "run_failed", "dead": role, "step": self.step,
+                  "No checkpoint was written yet (run.checkpoint_every): start the run again under another "
+                  f"run.name, or remove {self.run_dir.path} (it keeps the run's logs)")
+        log.error("%s at step %s (%s)", what, self.step, first_line(exc))
+        self.run_dir.append(EVENTS_FILE, {"event": "run_failed", **record, "step": self.step,
                                           "error": first_line(exc), "at": time.time()})
-        return RunFailed(f"the {role} actor died at step {self.step} ({first_line(exc)}); the run stopped. "
-                         f"{resume}")
+        return RunFailed(f"{what} at step {self.step} ({detail}); the run stopped. {resume}")
 
     def _evaluate(self, started: float) -> dict[str, Any]:
         result = {"step": self.step, "elapsed_s": self._elapsed(started), **self._await(self.trainer.evaluate.remote())}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,6 +54,13 @@ def last_line(exc: BaseException) -> str:
     """The innermost error of a Ray error, whose text ends with the failed task's traceback."""
     text = [line for line in str(exc).strip().splitlines() if line.strip()]
     return (text[-1].strip() if text else type(exc).__name__)[:300]
+
+
+def raised_in(exc: BaseException) -> str:
+    """The actor method a Ray task error came from ("TrainerActor.step"): its text starts with
+    `ray::NAME()` (the error Ray raises delegates attributes to the cause, so `function_name` is lost)."""
+    found = re.search(r"ray::([\w.]+)\(", str(exc))
+    return found.group(1) if found else "an actor"
 
 
 def actor_died(exc: BaseException) -> bool:

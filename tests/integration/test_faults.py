@@ -143,6 +143,21 @@ def test_a_trainer_killed_mid_step_resumes_from_the_last_checkpoint(ray_local, t
     assert_nothing_lost_or_repeated(run_dir, 5)
 
 
+def test_a_trainer_that_raises_mid_step_fails_the_run_in_one_line_naming_the_checkpoint(ray_local, tmp_path, armed):
+    """A trainer that raised (alive, its step's state unknown) ended `streamrl launch` in a raw Ray
+    traceback, without the resume line a dead trainer gets (outside review: an odd head size, an OOM)."""
+    armed("trainer.train=raise@4")
+    with pytest.raises(RunFailed, match=r"TrainerActor.step raised at step 3 \(.*FailPointError.*\); the run stopped"
+                                        r"\. To resume from step_000002") as caught:
+        run_tiny(tmp_path, "trainer-raises", "run.steps=5", "run.checkpoint_every=2", "producers.count=2")
+    assert "\n" not in str(caught.value)
+    run_dir = RunDir.open(tmp_path / "trainer-raises")
+    assert run_dir.read("events.jsonl")[-1]["raised"] == "TrainerActor.step"
+    summary = resume_tiny(run_dir)
+    assert summary["stopped_by"] == "steps" and summary["steps"] == 5
+    assert_nothing_lost_or_repeated(run_dir, 5)
+
+
 def test_a_killed_queue_stops_the_run_quickly_with_a_resumable_checkpoint(ray_local, tmp_path):
     killed = {}
 
