@@ -119,7 +119,11 @@ class TorchEngine:
 
     @property
     def active(self) -> int:
-        return len(self._rows) + sum(n for _, _, n in self._joins)
+        # Read by the producer's admit thread while the decode loop joins groups: `_joins` first. `_join`
+        # extends `_rows` before it shrinks `_joins`, so this order may count a joining group twice for a
+        # moment, never not at all (rows first undercounted it: the queue granted slots the engine lacked).
+        joins = self._joins
+        return len(self._rows) + sum(n for _, _, n in joins)
 
     def add(self, key: int, prompt: Sequence[int], n: int) -> None:
         if len(prompt) == 0:
@@ -163,8 +167,7 @@ class TorchEngine:
 
     # ---- the phases of a step ------------------------------------------------------------------------
     def _join(self) -> None:
-        # `_joins` is cleared only after the rows are in the batch: `active`, read by the producer's admit
-        # thread, may count a joining group twice for a moment, never not at all (no over-admission)
+        # `_joins` is cleared only after the rows are in the batch (see `active`)
         joins = list(self._joins)
         device, width = self.device, max(len(p) for _, p, _ in joins)
         ids = torch.full((len(joins), width), self.pad_id, dtype=torch.long)

@@ -183,6 +183,26 @@ def test_rows_leave_on_cancel_and_abort_and_the_cache_follows_the_longest_live_r
         engine.step()
 
 
+def test_active_never_undercounts_a_group_joining_while_it_is_read(tiny_model_dir):
+    """The admit thread reads `active` while the decode loop joins groups. With the join landing between
+    its two reads, a group counted in neither: the producer asked for slots the engine lacked and its
+    next `add` raised "engine full", stopping it (outside review, replayed with a tracer)."""
+    model, _ = load_policy(tiny_model_dir)
+    engine = engine_for(model, capacity=8)
+    engine.add(1, [1, 4, 5], 4)
+    engine.step()
+    engine.add(2, [1, 7], 4)
+
+    class JoinWhileCounted(list):  # the decode loop's join runs the moment the reader takes the rows' length
+        def __len__(self):
+            if engine._joins:
+                engine._join()
+            return super().__len__()
+
+    engine._rows = JoinWhileCounted(engine._rows)
+    assert engine.active >= 8
+
+
 def test_bad_arguments_are_refused(tiny_model_dir):
     model, _ = load_policy(tiny_model_dir)
     with pytest.raises(ValueError, match="stop token"):
