@@ -238,6 +238,9 @@ class RunDir:
             name = pointer.read_text().strip()
         except UnicodeDecodeError as exc:
             raise RunDirError(f"{str(pointer)!r} does not name a checkpoint ({exc})") from exc
+        if not (name.startswith("step_") and name.removeprefix("step_").isdigit()):
+            # only a checkpoint of this run: an absolute path or ../ would resume another run's state
+            raise RunDirError(f"{str(pointer)!r} names {name[:200]!r}, not a step_N checkpoint of this run")
         target = self.checkpoints / name
         if not (target / "meta.json").is_file():
             raise RunDirError(f"checkpoint {str(target)!r} is incomplete (no meta.json)")

@@ -93,3 +93,16 @@ def test_a_checkpoint_flushes_the_step_records_to_disk_before_it_becomes_the_lat
     assert flushed.index(rundir.GROUPS_FILE) < flushed.index(".latest.tmp")
     run_dir.write_json("summary.json", {"steps": 1})  # replaced whole: flushed before its rename
     assert ".summary.json.tmp" in flushed
+
+
+@pytest.mark.parametrize("pointer", ["{other}", "../../other/checkpoints/step_000001", "step_1/../step_1", "latest"])
+def test_latest_may_name_only_a_checkpoint_of_this_run(tmp_path, pointer):
+    """`checkpoints/latest` holding an absolute path or ../ resumed another run's checkpoint as this
+    run's (outside review: a reverse-task checkpoint resumed a file-task run)."""
+    other = RunDir.create(tmp_path / "other", RunConfig())
+    elsewhere = other.write_checkpoint(1, lambda tmp: (tmp / "model").write_text("w"), {"step": 1}, keep=2)
+    run_dir = RunDir.create(tmp_path / "run", RunConfig())
+    run_dir.checkpoints.mkdir(exist_ok=True)
+    (run_dir.checkpoints / "latest").write_text(pointer.format(other=elsewhere) + "\n")
+    with pytest.raises(RunDirError, match="not a step_N checkpoint of this run"):
+        run_dir.latest_checkpoint()
