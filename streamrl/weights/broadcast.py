@@ -287,15 +287,20 @@ class UpdateGroup:
         world = 1 + self.tensor_parallel
         address, port, backend = self.sender.open_group(self.name, world, server=(self.client.host, self.client.port),
                                                         node=self.node, timeout_s=self.timeout_s)
+        done: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         server = _Call("init-update-group", lambda: self.client.init_weights_update_group(
             master_address=address, master_port=port, rank_offset=1, world_size=world, group_name=self.name,
-            backend=backend, timeout_s=self.timeout_s))
+            backend=backend, timeout_s=self.timeout_s), done)
+        joining = _Call("sender-joins", lambda: self.sender.joined(self.name, self.timeout_s), done)
         server.start()
-        try:
-            server.result(self.timeout_s, f"{self.client.url}/init_weights_update_group")  # its refusal raises
-            self.sender.joined(self.name, self.timeout_s)
-        except BaseException:
+        joining.start()
+        try:  # either side's failure raises at once: a sender that cannot join leaves the server waiting
+            _join_all({server: f"{self.client.url}/init_weights_update_group",
+                       joining: f"the sender joining {self.name}"}, done, self.timeout_s + 5.0)
+        except BaseException as exc:
             self.sender.close_group(self.name)
+            if exc is joining.error and server.ended.wait(_REFUSAL_GRACE_S) and server.error is not None:
+                raise server.error  # noqa: B904 - the server's refusal says why; the sender's error stays on it
             raise
         self.open_ = True
 

@@ -647,6 +647,37 @@ def test_an_update_whose_sender_fails_at_once_raises_its_error_at_once_and_does_
         groups.close()
 
 
+def test_a_sender_that_cannot_join_the_group_fails_the_open_at_once(io, server):
+    """The server's POST was awaited before the sender's join: a trainer that could not join left the
+    server waiting for a rank 0 that never came, and the open raised only at the group's timeout."""
+    import socket
+
+    from streamrl.weights.broadcast import GroupSender, UpdateGroups, distributed_loader
+
+    silent = socket.socket()  # a store that accepts and never answers: the server waits in its join
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+
+    class UnjoinableSender(GroupSender):
+        def open_group(self, name, world, *, server, node, timeout_s):
+            return "127.0.0.1", silent.getsockname()[1], "gloo"
+
+        def joined(self, name, timeout_s):
+            raise RuntimeError("the trainer could not join (simulated)")
+
+        def close_group(self, name):
+            pass
+
+    groups = UpdateGroups(UnjoinableSender(), timeout_s=20, generation=lambda client: server.restarts)
+    began = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="could not join"):
+            distributed_loader(groups, mixed_weights(1), 2560)(SglangClient(server.url))
+        assert time.monotonic() - began < 5  # not the group's 20 s timeout
+    finally:
+        silent.close()
+
+
 def test_a_request_that_times_out_on_a_live_server_is_no_crash():
     """Before, a timeout read as an unreachable server: an update whose load timed out was taken for a
     crash and run again on the live server (and raised EngineUnreachable)."""
