@@ -82,7 +82,14 @@ class SimEngine:
             _, key, index = heapq.heappop(self._ends)
             if (key, index) in self._running:  # not cancelled
                 finished.append(self._finish(key, index))
+        self._idle_if_empty()
         return finished
+
+    def _idle_if_empty(self) -> None:
+        # Idle: the next step starts when asked. Its one step of slack from the last end would make the
+        # first step after every idle gap free (a synchronous batch's prefills and first decode, each step).
+        if not self._running:
+            self._last_end = None
 
     def _pace(self, seconds: float) -> None:
         # The engine may run up to one step ahead of its host (as overlap schedulers do): a host that
@@ -110,12 +117,14 @@ class SimEngine:
         """Drop the sequences of one group; their slots are free at the next step."""
         for index in [i for k, i in self._running if k == key]:
             del self._running[(key, index)]
+        self._idle_if_empty()
 
     def abort(self) -> None:
         """Drop every running sequence (the producer gives their groups back to the queue)."""
         self._running.clear()
         self._ends.clear()
         self._prefill_owed_s = 0.0
+        self._last_end = None
 
     def lost(self) -> list[int]:
         return []

@@ -65,6 +65,24 @@ def test_engine_stamps_each_token_with_the_version_of_its_step_and_sleeps_the_mo
     assert step == max(len(s.tokens) for s in done)
 
 
+def test_the_first_step_after_an_idle_gap_takes_its_model_time():
+    """The engine may run one step ahead of a late host, but not of an idle one: with the slack kept
+    across idle gaps, the first step of every synchronous batch (its prefills and first decode) was free."""
+    now, slept = [0.0], []
+    work = FAST.model_copy(update={"time_scale": 1.0, "median_tokens": 1, "p99_ratio": 1})  # one-token answers
+
+    def sleep(seconds):
+        slept.append(seconds)
+        now[0] += seconds
+
+    engine = SimEngine(work, seed=1, sleep=sleep, clock=lambda: now[0])
+    for _batch in range(2):
+        engine.add(7, [1] * 6, 4)
+        engine.step()
+        now[0] += 100.0  # the trainer trains; the engine has nothing to do
+    assert slept == pytest.approx([6 * work.prefill_per_token_s + work.decode_step_s(4)] * 2)
+
+
 def make_producer(queue, registry, work=FAST, producer_id=0, max_staleness=None):
     receiver = WeightReceiver(lambda have, timeout: registry.acquire(producer_id, have, timeout), poll_s=0.05,
                               standby=sim_weights(work))
