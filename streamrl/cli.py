@@ -8,10 +8,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 
@@ -113,19 +117,23 @@ def launch(args: argparse.Namespace) -> int:
 
 def admission(args: argparse.Namespace) -> int:
     import ray
+    from ray.exceptions import RayActorError
 
     from streamrl.buffer.queue import OPERATOR_HOLD
 
     queue = _queue_of(args.run, args.address)
-    # The operator's hold only: a pause the launcher holds while it shuts down is not the operator's to lift.
-    if args.action == "pause":
-        was_held = ray.get(queue.pause.remote(OPERATOR_HOLD))
-        print(f"{args.run}: admission paused" + (" (it already was, by the operator)" if was_held else ""))
-    elif args.action == "resume":
-        was_held = ray.get(queue.resume.remote(OPERATOR_HOLD))
-        print(f"{args.run}: " + ("admission resumed by the operator" if was_held
-                                 else "the operator had not paused admission: nothing to resume"))
-    status = ray.get(queue.status.remote())
+    try:
+        # The operator's hold only: a pause the launcher holds while it shuts down is not the operator's to lift.
+        if args.action == "pause":
+            was_held = ray.get(queue.pause.remote(OPERATOR_HOLD))
+            print(f"{args.run}: admission paused" + (" (it already was, by the operator)" if was_held else ""))
+        elif args.action == "resume":
+            was_held = ray.get(queue.resume.remote(OPERATOR_HOLD))
+            print(f"{args.run}: " + ("admission resumed by the operator" if was_held
+                                     else "the operator had not paused admission: nothing to resume"))
+        status = ray.get(queue.status.remote())
+    except RayActorError:  # the run ended between finding its queue and asking it
+        raise CliError(f"run {args.run!r} has ended: its queue actor is gone") from None
     if args.action == "resume" and status["holds"]:
         print(f"{args.run}: admission stays paused while held by: {', '.join(status['holds'])}")
     if args.action == "status":
@@ -151,8 +159,90 @@ def bench(args: argparse.Namespace) -> int:
         return 0
     if args.name not in available:
         raise CliError(f"unknown benchmark {args.name!r}; choose one of: {', '.join(available)}")
-    command = [sys.executable, "-m", f"benchmarks.{args.name}", *args.args]
-    return subprocess.call(command, cwd=checkout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return _run_to_end([sys.executable, "-m", f"benchmarks.{args.name}", *args.args], cwd=checkout)
+
+
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _run_to_end(command: list[str], cwd: Path) -> int:
+    """Run a benchmark in a process group of its own and wait for it; nothing it started outlives it.
+
+    A SIGINT, SIGTERM or SIGHUP sent to `streamrl bench` (`timeout 60 streamrl bench ...` signals this
+    process, not the benchmark) is passed on to the benchmark's group, which holds its Ray instance. Ray's
+    workers, the run's actors among them, lead groups of their own: they are found as the benchmark's
+    descendants when the signal comes, while the tree still holds together (once the Ray instance is gone
+    they belong to no one and linger until they notice). When the benchmark has exited, what is left of
+    its group and of those is killed, and waited for. The exit status is the benchmark's, or 128 + the
+    signal that ended it, as a shell reports it."""
+    child: subprocess.Popen | None = None
+    pending: list[int] = []  # came while the benchmark was being started
+    tree: dict[int, str] = {}  # its processes when the first signal came, each with its start time
+
+    def forward(signum: int, _frame: object = None) -> None:
+        if child is None:
+            pending.append(signum)
+            return
+        tree.update(_process_tree(child.pid))
+        with contextlib.suppress(ProcessLookupError):  # it has exited: nothing to pass it on to
+            os.killpg(child.pid, signum)
+
+    # signal handlers can only be set in the main thread; called elsewhere, the caller handles signals
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED} if in_main else {}
+    try:
+        child = subprocess.Popen(command, cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, process_group=0)
+        for signum in pending:
+            forward(signum)
+        code = child.wait()
+    finally:
+        if child is not None:
+            _end_all(child, tree)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
+
+
+def _end_all(child: subprocess.Popen, tree: dict[int, str], timeout_s: float = 10.0) -> None:
+    """SIGKILL what is left of the benchmark's group and of `tree`, and wait until it is gone."""
+    with contextlib.suppress(ProcessLookupError):  # the group is empty: everything in it has exited
+        os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+    for pid, since in tree.items():
+        if _start_time(pid) == since:  # the same process, not a later one given its pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while any(_start_time(pid) == since for pid, since in tree.items()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _stat(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat's fields after the name (state, parent, group, ...), None for a process that has
+    finished (gone, or a zombie) or where there is no /proc."""
+    try:
+        text = Path("/proc", str(pid), "stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return None if fields[0] in "ZX" else fields
+
+
+def _start_time(pid: int | str) -> str | None:
+    fields = _stat(pid)
+    return None if fields is None else fields[19]
+
+
+def _process_tree(root: int) -> dict[int, str]:
+    """`root` and every running process below it, each with its start time (empty without /proc)."""
+    running: dict[int, list[str]] = {}
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if entry.name.isdigit() and (fields := _stat(entry.name)) is not None:
+            running[int(entry.name)] = fields
+    found = {root} & running.keys()
+    while grown := {pid for pid, fields in running.items() if int(fields[1]) in found} - found:
+        found |= grown
+    return {pid: running[pid][19] for pid in found}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,7 +15,8 @@ import json
 import math
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
@@ -85,6 +86,10 @@ class ModelSection(_Section):
     def _heads_divide_hidden(self) -> ModelSection:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}")
+        head = self.hidden_size // self.num_heads
+        if head % 2:  # rotary position embeddings turn each head's dimensions in pairs
+            raise ValueError(f"hidden_size={self.hidden_size} / num_heads={self.num_heads} is a head size of {head}: "
+                             "the built-in model's rotary position embeddings need an even head size")
         return self
 
 
@@ -138,6 +143,13 @@ class TaskSection(_Section):
     def _reward_range(self) -> TaskSection:
         if self.reward_min > self.reward_max:
             raise ValueError(f"reward_min={self.reward_min} is above reward_max={self.reward_max}")
+        return self
+
+    @model_validator(mode="after")
+    def _long_tail_lengths(self) -> TaskSection:
+        if self.kind == "long_tail" and self.digits > self.max_digits:
+            raise ValueError(f"kind = 'long_tail' with digits={self.digits} above max_digits={self.max_digits}: "
+                             "the median string length (digits) must be at most the longest (max_digits)")
         return self
 
 
@@ -362,6 +374,9 @@ class RunConfig(_Section):
         if "sim" in sim.values() and set(sim.values()) != {"sim"}:
             raise ValueError("the simulator runs whole: producers.engine, trainer.backend and task.kind must all be "
                              f"'sim' (got {', '.join(f'{k} = {v!r}' for k, v in sim.items())})")
+        if self.producers.engine == "sim" and self.sim.sequences_per_producer < queue.group_size:
+            raise ValueError(f"sim.sequences_per_producer={self.sim.sequences_per_producer} cannot hold one group of "
+                             f"queue.group_size={queue.group_size}: a producer decodes a group's samples together")
         if task.kind == "file":
             missing = [name for name in ("prompts", "reward") if getattr(task, name) is None]
             if missing:
@@ -465,6 +480,28 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
 _INT64 = 2**63
 
 
+def _optional_of(annotation: Any) -> Any:
+    """`X` for `X | None`; any other annotation as it is."""
+    if get_origin(annotation) in (Union, UnionType):
+        options = [a for a in get_args(annotation) if a is not type(None)]
+        return options[0] if len(options) == 1 else annotation
+    return annotation
+
+
+def _holds_text(where: str) -> bool:
+    """Whether the config field at a dotted path (a list's items by their index) holds a string."""
+    annotation: Any = RunConfig
+    for part in where.split("."):
+        annotation = _optional_of(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel) and part in annotation.model_fields:
+            annotation = annotation.model_fields[part].annotation
+        elif get_origin(annotation) is list and part.isdigit():
+            annotation = get_args(annotation)[0]
+        else:
+            return False
+    return _optional_of(annotation) is str
+
+
 def _check_values(value: Any, where: str = "") -> None:
     """What the schema cannot say: numbers are finite and fit in 64 bits, and only TOML's plain types
     (tables, arrays, strings, numbers, booleans) occur, never a date."""
@@ -475,6 +512,10 @@ def _check_values(value: Any, where: str = "") -> None:
         for index, child in enumerate(value):
             _check_values(child, f"{where}.{index}")
     elif isinstance(value, float) and not math.isfinite(value):
+        if _holds_text(where):  # `--set run.name=nan` reads as TOML's nan, not as the name "nan"
+            quoted = f'"{value}"' if where.rpartition(".")[2].isdigit() else f"""--set '{where}="{value}"'"""
+            raise ConfigError(f"invalid config: {where}: {value} reads as a number (not a finite one), and "
+                              f"{where} holds text: quote it to make it a string ({quoted})")
         raise ConfigError(f"invalid config: {where}: {value} is not a finite number")
     elif isinstance(value, int) and not isinstance(value, bool) and not -_INT64 <= value < _INT64:
         raise ConfigError(f"invalid config: {where}: {value} does not fit in a 64-bit integer")

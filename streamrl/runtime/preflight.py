@@ -80,6 +80,18 @@ def model_facts(config: RunConfig) -> dict[str, Any]:
     return {key: getattr(text, key, None) for key in ("vocab_size", "max_position_embeddings", "num_hidden_layers")}
 
 
+def load_tokenizer(config: RunConfig) -> Any:
+    """The tokenizer of the model at model.path; one transformers cannot load is refused naming the directory."""
+    from transformers import AutoTokenizer
+
+    model_dir = Path(config.model.path).expanduser()
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:  # noqa: BLE001 -- a broken file fails anywhere in transformers (JSONDecodeError, KeyError)
+        raise ConfigError(f"model.path {str(model_dir)!r}: transformers cannot load its tokenizer "
+                          f"({type(exc).__name__}: {exc})") from exc
+
+
 def resolve_paths(config: RunConfig) -> RunConfig:
     """Relative paths are relative to the launch directory; actors run elsewhere, and a resumed run
     may start from another directory, so the resolved config holds absolute ones."""
@@ -103,8 +115,6 @@ def check_model_and_task(config: RunConfig) -> None:
         raise ConfigError(f"trainer.pipeline_parallel={stages} does not divide the model's {layers} layers "
                           "(num_hidden_layers): every stage holds the same number of layers")
     if config.task.kind == "file":
-        from transformers import AutoTokenizer
-
         from streamrl.tasks import make_task
         from streamrl.tasks.files import MAX_NEW_TOKENS
 
@@ -114,18 +124,17 @@ def check_model_and_task(config: RunConfig) -> None:
         if positions is not None and response >= positions:
             raise ConfigError(f"sampling.max_new_tokens={response} leaves no room for a prompt in the model's "
                               f"max_position_embeddings={positions}")
+        tokenizer = load_tokenizer(config)
         try:  # reads and tokenizes the prompt files, imports the reward function: errors name the file or function
-            make_task(config.task, AutoTokenizer.from_pretrained(config.model.path), search_path=os.getcwd(),
+            make_task(config.task, tokenizer, search_path=os.getcwd(),
                       max_prompt_tokens=None if positions is None else positions - response)
         except (ValueError, FileNotFoundError) as exc:
             raise ConfigError(f"task: {exc}") from exc
     kind = config.task.kind
     if kind in ("reverse", "long_tail") and config.model.path is not None:
-        from transformers import AutoTokenizer
-
         from streamrl.tasks.reverse import CharVocab
 
-        ids = AutoTokenizer.from_pretrained(Path(config.model.path).expanduser()).get_vocab()
+        ids = load_tokenizer(config).get_vocab()
         expected = {tok: i for i, tok in enumerate(CharVocab().tokens)}
         if any(ids.get(tok) != i for tok, i in expected.items()):
             raise ConfigError(f"task.kind = {kind!r} needs the character tokenizer streamrl builds "

@@ -103,6 +103,10 @@ def import_reward(spec: str, search_path: str | None = None) -> Callable[[str, d
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+    except (Exception, SystemExit) as exc:  # the module's own code failed as it ran: the user's bug, not ours
+        # a SyntaxError names its file and line itself; its traceback ends in the import machinery
+        cause = _short(f"{type(exc).__name__}: {exc}") if isinstance(exc, SyntaxError) else _describe_exception(exc)
+        raise ValueError(f"reward {spec!r}: importing module {module_name!r} raised {cause}") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward {spec!r}: module {module_name!r} has no function {attr!r}")

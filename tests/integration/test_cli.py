@@ -1,4 +1,11 @@
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -68,6 +75,26 @@ def test_admission_pause_resume_status_against_a_named_queue(ray_local, capsys):
         ray.kill(queue)
 
 
+@pytest.mark.ray
+def test_admission_against_a_run_that_ends_after_its_queue_is_found_says_so(ray_local, capsys, monkeypatch):
+    """The run ending between the lookup of its queue and the call escaped as a RayActorError traceback."""
+    import streamrl.buffer.actor
+
+    found = streamrl.buffer.actor.get_queue_actor
+
+    def found_then_ended(run):
+        queue = found(run)
+        ray.kill(queue)  # the run's shutdown, just after the lookup
+        return queue
+
+    queue = create_queue_actor("cli-ending", QueueConfig(group_size=2, groups_per_step=1))  # held: it lives
+    monkeypatch.setattr(streamrl.buffer.actor, "get_queue_actor", found_then_ended)
+    assert main(["admission", "pause", "--run", "cli-ending"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == "streamrl: error: run 'cli-ending' has ended: its queue actor is gone\n" and not captured.out
+    ray.kill(queue)  # dead already (killed after the lookup); held until here, it lived until then
+
+
 def test_the_final_line_handles_a_run_stopped_before_its_first_step():
     from streamrl.cli import describe_summary
 
@@ -96,10 +123,6 @@ sys.stdin.read()  # until the test closes it
 def test_admission_finds_its_run_among_several_local_ray_instances(tmp_path):
     """Two runs launched on one machine each start their own Ray instance; `auto` picked one of them at
     random, so `--run A` answered "no running streamrl run named 'A'" about half the time."""
-    import os
-    import subprocess
-    import sys
-
     from leftovers import track
 
     holders = [track(subprocess.Popen([sys.executable, "-c", HOLDER, name], stdin=subprocess.PIPE, text=True,
@@ -125,3 +148,65 @@ def test_admission_finds_its_run_among_several_local_ray_instances(tmp_path):
         for holder in holders:
             holder.stdin.close()
             holder.wait(timeout=60)
+
+
+def _processes() -> dict[int, tuple[int, int, int]]:
+    """Every live process on this machine: pid → (parent pid, process group, start time); zombies are not live."""
+    found = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # it exited meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ... starttime (the 20th)
+        if fields[0] not in "ZX":
+            found[int(entry.name)] = (int(fields[1]), int(fields[2]), int(fields[19]))
+    return found
+
+
+def _descendants(root: int) -> set[tuple[int, int]]:
+    """(pid, start time) of `root` and every process below it: a pid alone could be another process's later."""
+    processes, found = _processes(), {root}
+    while grown := {pid for pid, (ppid, _, _) in processes.items() if ppid in found} - found:
+        found |= grown
+    return {(pid, processes[pid][2]) for pid in found if pid in processes}
+
+
+def _still_running(started: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    return {(pid, since) for pid, (_, _, since) in _processes().items()} & started
+
+
+@pytest.mark.ray
+def test_sigterm_to_streamrl_bench_stops_the_benchmark_and_everything_it_started(tmp_path):
+    """`timeout 60 streamrl bench pipeline` signalled `streamrl bench` alone: it died, and the benchmark
+    with its Ray instance and actors ran on without it (outside review)."""
+    from leftovers import track
+    from test_bench_pipeline import TINY
+
+    out = tmp_path / "pipeline.json"
+    command = [sys.executable, "-m", "streamrl.cli", "bench", "pipeline", "--window-s", "600", "--out", str(out)]
+    for item in TINY:
+        command += ["--set", item]
+    with open(tmp_path / "bench.log", "w") as log:
+        bench = track(subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True))
+    started: set[tuple[int, int]] = set()
+    try:
+        deadline = time.monotonic() + 300
+        while not any(p.stat().st_size for p in tmp_path.glob("pipeline-runs/*/*/metrics.jsonl")):  # training
+            assert bench.poll() is None and time.monotonic() < deadline, (tmp_path / "bench.log").read_text()
+            time.sleep(0.5)
+        started = _descendants(bench.pid) - {(bench.pid, _processes()[bench.pid][2])}
+        benchmark = next(pid for pid, (ppid, _, _) in _processes().items() if ppid == bench.pid)
+        group = _processes()[benchmark][1]
+        assert len(started) > 3  # the benchmark, Ray's processes and the run's actors
+        os.kill(bench.pid, signal.SIGTERM)  # as `timeout` or `kill` does: this process only
+        assert bench.wait(timeout=120) != 0  # the benchmark's status: Ray's handler makes its SIGTERM an abort
+        assert not [pid for pid, (_, pgid, _) in _processes().items() if pgid == group]  # its group ended with it
+        assert not _still_running(started)  # and so did Ray's workers outside it: the run's actors
+    finally:  # a failed check leaves nothing running either
+        for pid, _ in _still_running(started):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -37,6 +37,9 @@ def test_no_time_limit_survives_the_round_trip_through_config_toml(tmp_path, no_
     assert load_config(saved).run.time_limit_s is None and load_config(saved) == config
 
 
+SIM = ["producers.engine=sim", "trainer.backend=sim", "task.kind=sim"]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["queue.max_staleness=-1"], r"queue\.max_staleness: Input should be an integer >= 0, or \"auto\" \(got -1\)"),
     (["trainer.lr=fast"], r"trainer\.lr: .*valid number.*\(got 'fast'\)"),
@@ -63,10 +66,28 @@ def test_no_time_limit_survives_the_round_trip_through_config_toml(tmp_path, no_
     (["model.dtype=float16"], r"model\.dtype: Input should be 'float32' or 'bfloat16'"),
     (["model.dtype=bfloat16", "trainer.backend=megatron"], r"the megatron trainer trains in float32 only"),
     (["model.attention=flash_attention_2", "model.dtype=bfloat16"], r"needs the flash-attn package"),
+    # outside review: each of these passed the config and failed only once the actors ran
+    (["model.hidden_size=24", "model.num_heads=8"],
+     r"hidden_size=24 / num_heads=8 is a head size of 3: .* need an even head size"),
+    ([*SIM, "sim.sequences_per_producer=2", "queue.group_size=4"],
+     r"sim\.sequences_per_producer=2 cannot hold one group of queue\.group_size=4"),
+    (["task.kind=long_tail", "task.digits=12", "task.max_digits=5"],
+     r"task: .*kind = 'long_tail' with digits=12 above max_digits=5"),
+    (["run.name=nan"], r"run\.name: nan reads as a number .* quote it to make it a string \(--set 'run\.name=\"nan\"'\)"),
+    (["producers.sglang.extra_args=[\"--x\", inf]"], r"extra_args\.1: inf reads as a number .* \(\"inf\"\)"),
+    (["run.steps=nan"], r"run\.steps: nan is not a finite number$"),
 ])
 def test_bad_values_name_the_field_and_the_value(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=overrides)
+
+
+def test_the_limits_of_those_checks_are_accepted():
+    assert load_config(overrides=["model.hidden_size=24", "model.num_heads=4"]).model.num_heads == 4  # head size 6
+    assert load_config(overrides=[*SIM, "sim.sequences_per_producer=4", "queue.group_size=4"]).sim.sequences_per_producer == 4
+    assert load_config(overrides=["task.kind=long_tail", "task.digits=5", "task.max_digits=5"]).task.digits == 5
+    assert load_config(overrides=["task.digits=12", "task.max_digits=5"]).task.digits == 12  # reverse: max unused
+    assert load_config(overrides=['run.name="nan"']).run.name == "nan"
 
 
 @pytest.mark.parametrize("item", ["novalue", "=3", "run.steps.x=3"])

@@ -89,3 +89,34 @@ def test_a_model_config_transformers_cannot_read_is_refused_naming_the_directory
     (tmp_path / "config.json").write_text("{}")  # no model_type
     with pytest.raises(ConfigError, match=f"model.path '{tmp_path}': transformers cannot read its config.json"):
         preflight_model(config(f"model.path=\"{tmp_path}\""))
+
+
+def test_a_reward_module_that_raises_as_it_is_imported_is_refused_as_config(tmp_path: Path, tiny_model_dir,
+                                                                          monkeypatch):
+    """A RuntimeError at import escaped the launch checks as a traceback: only ImportError was caught (review)."""
+    (tmp_path / "raiser.py").write_text('raise RuntimeError("boom at import")\n')
+    (tmp_path / "train.jsonl").write_text('{"prompt": "12>"}\n')
+    monkeypatch.chdir(tmp_path)  # the launch directory: where a local reward module is imported from
+    file_task = config(f"model.path=\"{tiny_model_dir}\"", "task.kind=\"file\"", "task.prompts=\"train.jsonl\"",
+                       "task.reward=\"raiser:score\"", "sampling.max_new_tokens=8")
+    with pytest.raises(ConfigError, match=r"task: reward 'raiser:score': importing module 'raiser' raised "
+                                          r"RuntimeError: boom at import"):
+        preflight_model(file_task)
+
+
+@pytest.mark.parametrize("tokenizer_json, error", [('{"broken', "JSONDecodeError"),
+                                                   ('{"model": {"type": "Nope"}}', "KeyError")])
+@pytest.mark.parametrize("kind", ["reverse", "long_tail", "file"])
+def test_a_tokenizer_transformers_cannot_load_is_refused_naming_the_model(tmp_path: Path, tiny_model_dir, kind,
+                                                                          tokenizer_json, error):
+    """A broken tokenizer.json escaped the launch checks as transformers' traceback (outside review)."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "tokenizer.json").write_text(tokenizer_json)
+    (tmp_path / "train.jsonl").write_text('{"prompt": "12>"}\n')
+    file_task = ("task.prompts=\"train.jsonl\"", "task.reward=\"m:f\"", "sampling.max_new_tokens=8")
+    broken = config(f"model.path=\"{model}\"", f"task.kind=\"{kind}\"", *(file_task if kind == "file" else ()))
+    with pytest.raises(ConfigError, match=f"model.path '{model}': transformers cannot load its tokenizer \\({error}"):
+        preflight_model(broken)

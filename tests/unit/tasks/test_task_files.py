@@ -54,6 +54,21 @@ def test_bad_task_files_are_named_in_the_error(files, tiny_model_dir, change, me
         make_task(section(files, **change), tokenizer, search_path=str(files))
 
 
+@pytest.mark.parametrize("source, message", [
+    ('raise RuntimeError("boom at import")\n', r"RuntimeError: boom at import \(at failing_rewards\.py:1\)"),
+    ("def exact(completion, row:\n", r"SyntaxError: .*\(failing_rewards\.py, line 1\)"),
+    ("import sys\nsys.exit(3)\n", r"SystemExit: 3 \(at failing_rewards\.py:2\)"),
+    ("import no_such_dependency\n", r"cannot import module 'failing_rewards': No module named 'no_such_dependency'"),
+])
+def test_a_reward_module_that_fails_as_it_is_imported_is_refused_naming_it(files, tiny_model_dir, source, message):
+    """Only an ImportError was caught: a module that raised anything else at import, or did not parse,
+    ended `streamrl launch` in a traceback of the import machinery (outside review)."""
+    (files / "failing_rewards.py").write_text(source)
+    with pytest.raises(ValueError, match=r"reward 'failing_rewards:exact': .*" + message):
+        make_task(section(files, reward="failing_rewards:exact"), AutoTokenizer.from_pretrained(tiny_model_dir),
+                  search_path=str(files))
+
+
 def test_a_non_finite_reward_is_a_recorded_failure_with_the_fallback_reward(files, tiny_model_dir):
     (files / "nan_rewards.py").write_text("def nan(completion, row):\n    return float('nan')\n")
     task = make_task(section(files, reward="nan_rewards:nan"), AutoTokenizer.from_pretrained(tiny_model_dir),

@@ -50,3 +50,18 @@ def test_the_config_selects_it_and_bad_settings_name_the_field():
         ReverseLongTail(median_digits=5, max_digits=4)
     with pytest.raises(ValueError, match="tail"):
         TaskSection(kind="long_tail", tail=0.5)
+
+
+@pytest.mark.parametrize("digits, max_digits", [(1, 1), (5, 5), (5, 4), (12, 5), (3, 28)])
+def test_the_config_refuses_exactly_the_lengths_the_task_refuses(digits, max_digits):
+    """digits above max_digits passed the config and failed only once the actors built the task (review)."""
+    from streamrl.config import ConfigError, load_config
+
+    overrides = ["task.kind=long_tail", f"task.digits={digits}", f"task.max_digits={max_digits}"]
+    try:
+        ReverseLongTail(median_digits=digits, max_digits=max_digits)
+    except ValueError:
+        with pytest.raises(ConfigError, match=f"digits={digits} above max_digits={max_digits}"):
+            load_config(overrides=overrides)
+    else:
+        make_task(load_config(overrides=overrides).task)
