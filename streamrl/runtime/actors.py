@@ -26,11 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import ray
 
 from streamrl import failpoints, logs
 from streamrl.buffer.actor import NAMESPACE, fetch_table, get_queue_actor
 from streamrl.buffer.queue import OPERATOR_HOLD, QueueClosed
+from streamrl.buffer.schema import FINISH_REASONS, LENGTH, list_offsets
 from streamrl.config import RunConfig
 from streamrl.engine.base import accept_offer
 from streamrl.engine.local_weights import LocalWeights
@@ -274,6 +276,7 @@ class TrainerShell:
                              producer_ids=[g.producer_id for g in groups.groups], staleness=list(groups.staleness)),
             metrics={
                 **metrics,
+                **response_lengths(table),
                 "reward_std": float(rewards.std()),
                 "fetch_s": fetched - started - waited,  # the groups' rows out of the object store
                 "publish_s": published - trained,  # the queue's version, then the weights put and announced
@@ -302,6 +305,16 @@ class TrainerShell:
                 self.trainer.offload()
         finally:
             ray.get([p.resume_gpu.remote() for p in producers])
+
+
+def response_lengths(table: pa.Table | pa.RecordBatch) -> dict[str, float]:
+    """How long the step's responses ran, and the share cut at the length limit (a policy that learns to
+    ramble shows here before its reward moves; a benchmark's tail is the one these figures show)."""
+    lengths = np.diff(list_offsets(table.column("response_ids")))
+    truncated = pc.sum(pc.equal(table.column("finish_reason"), FINISH_REASONS[LENGTH])).as_py() or 0
+    return {"response_length_mean": float(lengths.mean()), "response_length_p50": float(np.median(lengths)),
+            "response_length_p99": float(np.percentile(lengths, 99)), "response_length_max": int(lengths.max()),
+            "truncated_fraction": truncated / len(lengths)}
 
 
 class NoBatchError(TimeoutError):

@@ -38,6 +38,12 @@ def test_the_pipeline_report_holds_every_schedule_its_run_and_ratio(tmp_path):
     assert results["efficiency_async"] == pytest.approx(
         results["async"]["tokens_per_s"] / min(results["generation_alone"]["tokens_per_s"],
                                                results["training_alone"]["tokens_per_s"]))
+    model_rate = report["workload"]["model_schedule_tokens_per_s"]["async"] / 0.02  # model seconds to real ones
+    assert results["efficiency_async_vs_model"] == pytest.approx(results["async"]["tokens_per_s"] / model_rate)
+    lengths = results["async"]["response_length"]
+    assert 1 <= lengths["p99_median_over_steps"] <= lengths["max"] <= 64 and 0 <= lengths["truncated_fraction"] <= 1
+    assert lengths["mean"] == pytest.approx(sum(m["response_tokens"] for m in metrics[-results["async"]["steps_measured"]:])
+                                            / sum(m["samples"] for m in metrics[-results["async"]["steps_measured"]:]))
     assert report["workload"]["producers"] == 2 and report["workload"]["async_eta"] == 2
     assert "vs_baseline" in report  # compared with the stored baseline
 
