@@ -157,7 +157,9 @@ class SamplingSection(_Section):
     temperature: float = Field(1.0, gt=0)
     """The trainer divides its logits by the same temperature, so behaviour and trainer log-probs agree."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling. Below 1 the behaviour log-probs are those of the truncated distribution."""
+    """Nucleus sampling; must stay 1 for now. The trainer's log-probs are the full softmax's, so below 1 an
+    on-policy token's ratio is the nucleus's kept mass (0.74 on average at 0.7), not 1: the masked and
+    clipped losses would reject on-policy data. sglang's log-probs are of the untruncated distribution."""
     max_new_tokens: int | None = Field(None, ge=1)
     """None: the task's own limit (reverse: digits + 2)."""
 
@@ -417,11 +419,13 @@ class RunConfig(_Section):
                              "reference copy of")
         if self.trainer.gradient_checkpointing and self.trainer.backend != "torch":
             raise ValueError("trainer.gradient_checkpointing needs trainer.backend = 'torch' (Hugging Face models)")
-        if self.producers.engine == "sglang" and self.sampling.top_p != 1.0:
-            # sglang returns log_softmax(logits / temperature) before top-p: not the behaviour policy's
-            raise ValueError(f"sampling.top_p={self.sampling.top_p:g} with producers.engine = 'sglang': sglang's "
-                             "log-probs are of the distribution before top-p truncation, so they would not be the "
-                             "behaviour log-probs; use top_p = 1 (or the torch engine)")
+        if self.sampling.top_p != 1.0:
+            # The torch engine stamps the nucleus's renormalised log-prob, which the trainer's full softmax is
+            # not (on-policy ratios = the kept mass; masked_is rejected every token at 0.9, outside review);
+            # sglang returns log_softmax(logits / temperature) before top-p, not the behaviour policy's.
+            raise ValueError(f"sampling.top_p={self.sampling.top_p:g}: the trainer's log-probs are of the whole "
+                             "distribution, not the top-p nucleus the engines sample from (sglang's log-probs "
+                             "are of the whole distribution too), so on-policy ratios would not be 1; use top_p = 1")
         if self.producers.engine == "sglang" and sg.weights == "distributed":
             if self.trainer.colocated:  # NCCL refuses a group with two ranks on one device
                 raise ValueError("producers.sglang.weights = 'distributed' sends from the trainer's GPU, which "

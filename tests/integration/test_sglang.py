@@ -985,7 +985,7 @@ def test_a_generation_with_a_null_log_prob_is_refused_by_name():
 def test_top_p_below_one_is_refused_with_sglang():
     from streamrl.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="sglang's log-probs are of the distribution before top-p"):
+    with pytest.raises(ConfigError, match="sglang's log-probs are of the whole distribution too"):
         load_config(None, ["producers.engine=sglang", "sampling.top_p=0.9"])
 
 

@@ -47,6 +47,7 @@ SIM = ["producers.engine=sim", "trainer.backend=sim", "task.kind=sim"]
     (["loss.name=ppo"], r"loss\.name: Input should be 'decoupled_ppo', 'ppo_bypass'"),
     (["task.kind=file"], r"task.kind = 'file' needs task\.prompts and task\.reward"),
     (["queue.group_size=1"], r"group advantages need at least 2 samples"),
+    (["sampling.top_p=0.7"], r"sampling.top_p=0.7: the trainer's log-probs are of the whole distribution"),
     (["queue.group_size=1", "trainer.advantage=\"drgrpo\""], r"group advantages need at least 2 samples"),
     (["trainer.colocated=true"], r"trainer\.colocated = true needs producers\.engine = 'sglang' with"),
     (["producers.engine=sglang", "producers.num_gpus=1", "producers.sglang.servers=2"],
