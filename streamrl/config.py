@@ -119,6 +119,9 @@ class TaskSection(_Section):
     reward: str | None = None
     """file: `module:function` called as `function(completion: str, row: dict) -> float`; a function with
     `batched = True` is called once per group as `function(completions: list[str], row) -> list[float]`."""
+    reward_dir: str | None = None
+    """file: the directory `reward`'s module is imported from first (None: the launch directory). A run
+    records the absolute directory when it starts, so a resume imports the same module from anywhere."""
     reward_isolation: Literal["process", "inline"] = "process"
     """file: `process`: call the reward function in a worker process (one per producer), so a hang is
     cut at `reward_timeout_s` and a crash costs one sample, not the producer; `inline`: call it in the

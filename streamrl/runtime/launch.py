@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import signal
 import threading
 import time
@@ -38,7 +37,14 @@ from streamrl.runtime.actors import NoBatchError, StepResult, TrainerActor
 from streamrl.runtime.clients import create_actor
 from streamrl.runtime.connect import RayConnectError, join_cluster, start_local
 from streamrl.runtime.interrupts import interrupts_deferred
-from streamrl.runtime.preflight import Plan, check_model_and_task, check_resume_overrides, preflight, resolve_paths
+from streamrl.runtime.preflight import (
+    Plan,
+    check_model_and_task,
+    check_resume_overrides,
+    preflight,
+    resolve_paths,
+    reward_dir,
+)
 from streamrl.runtime.progress import ProgressView
 from streamrl.runtime.rundir import (
     EVAL_FILE,
@@ -165,7 +171,7 @@ class Run:
         cfg = self.config
         self.plan = plan = preflight(cfg, ray.cluster_resources(), self.resume_from)
         self.model_dir = model_dir = self._model_dir()
-        search_path = os.getcwd()
+        search_path = reward_dir(cfg)
         actors = self.actors
         actors.queue = actors.add(create_queue_actor(self.name, plan.queue, restore_from=plan.queue_restore))
         actors.weights = actors.add(create_actor(WeightsActor, self.name, "weights",

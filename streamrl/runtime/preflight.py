@@ -92,6 +92,12 @@ def load_tokenizer(config: RunConfig) -> Any:
                           f"({type(exc).__name__}: {exc})") from exc
 
 
+def reward_dir(config: RunConfig) -> str:
+    """Where the reward module is imported from: the run's recorded directory (a run started before
+    task.reward_dir existed: the launch directory, as then)."""
+    return config.task.reward_dir or os.getcwd()
+
+
 def resolve_paths(config: RunConfig) -> RunConfig:
     """Relative paths are relative to the launch directory; actors run elsewhere, and a resumed run
     may start from another directory, so the resolved config holds absolute ones."""
@@ -102,7 +108,9 @@ def resolve_paths(config: RunConfig) -> RunConfig:
         "run": config.run.model_copy(update={"output_dir": absolute(config.run.output_dir)}),
         "model": config.model.model_copy(update={"path": absolute(config.model.path)}),
         "task": config.task.model_copy(update={"prompts": absolute(config.task.prompts),
-                                               "eval_prompts": absolute(config.task.eval_prompts)}),
+                                               "eval_prompts": absolute(config.task.eval_prompts),
+                                               "reward_dir": absolute(config.task.reward_dir or (
+                                                   os.getcwd() if config.task.reward else None))}),
     })
 
 
@@ -126,7 +134,7 @@ def check_model_and_task(config: RunConfig) -> None:
                               f"max_position_embeddings={positions}")
         tokenizer = load_tokenizer(config)
         try:  # reads and tokenizes the prompt files, imports the reward function: errors name the file or function
-            make_task(config.task, tokenizer, search_path=os.getcwd(),
+            make_task(config.task, tokenizer, search_path=reward_dir(config),
                       max_prompt_tokens=None if positions is None else positions - response)
         except (ValueError, FileNotFoundError) as exc:
             raise ConfigError(f"task: {exc}") from exc

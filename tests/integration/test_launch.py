@@ -511,6 +511,14 @@ def test_a_file_task_with_a_local_checkpoint_and_a_reward_module_runs(ray_local,
     assert summary["steps"] == 3 and summary["eval_reward_last"] is not None
     prompts = {p for g in run_dir.read("groups.jsonl") for p in g["prompt_ids"]}
     assert prompts <= set(range(40))
+    # resumed from another directory holding a module of the same name: the run's own is imported (the
+    # launch directory is recorded; a resume imported whatever the current directory held)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "digit_rewards.py").write_text('raise RuntimeError("not the run\'s reward module")\n')
+    monkeypatch.chdir(elsewhere)
+    assert run_dir.config().task.reward_dir == str(tmp_path)
+    assert resume_tiny(run_dir, "run.steps=4")["steps"] == 4
 
 
 def test_a_file_task_with_a_missing_reward_module_is_refused_before_anything_starts(tmp_path, tiny_model_dir):
