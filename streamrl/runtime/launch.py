@@ -39,8 +39,10 @@ from streamrl.runtime.connect import RayConnectError, join_cluster, start_local
 from streamrl.runtime.interrupts import interrupts_deferred
 from streamrl.runtime.preflight import (
     Plan,
+    check_checkpoint_settings,
     check_model_and_task,
     check_resume_overrides,
+    frozen_settings,
     preflight,
     resolve_paths,
     reward_dir,
@@ -390,6 +392,7 @@ class Run:
 
         meta = {"step": self.step, "version": self.step, "elapsed_s": self._elapsed(started),
                 "trained_tokens": self.trained_tokens, "written_at": time.time(),
+                "frozen": frozen_settings(self.config),  # what a resume may not change, beyond config.toml's reach
                 **({} if self.auto is None else {"auto_staleness": self.auto.state()})}
         path = self.run_dir.write_checkpoint(self.step, write, meta, keep=self.config.run.keep_checkpoints)
         self.last_checkpoint_step = self.step
@@ -471,7 +474,9 @@ def prepare(config_path: str | None = None, overrides: list[str] | None = None, 
             checkpoint = run_dir.verified_checkpoint()
             for name in STEP_FILES:  # a damaged record is refused before anything starts (the rewind reads them)
                 run_dir.read(name)
-            step = json.loads((checkpoint / "meta.json").read_text())["step"]
+            meta = json.loads((checkpoint / "meta.json").read_text())
+            check_checkpoint_settings(meta.get("frozen", {}), config, checkpoint.name)  # none before 2026-12-07
+            step = meta["step"]
             if step >= config.run.steps:
                 raise ConfigError(f"the run is already at step {step} and run.steps = {config.run.steps}; "
                                   f"continue it with --set run.steps=N (N > {step})")

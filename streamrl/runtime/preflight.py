@@ -39,6 +39,24 @@ def _section(config: RunConfig, dotted: str) -> Any:
     return value
 
 
+def frozen_settings(config: RunConfig) -> dict[str, Any]:
+    """The FROZEN_ON_RESUME fields as JSON, recorded in each checkpoint's meta.json (checksummed)."""
+    def plain(value: Any) -> Any:
+        return value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+
+    return {field: plain(_section(config, field)) for field in FROZEN_ON_RESUME}
+
+
+def check_checkpoint_settings(recorded: dict[str, Any], config: RunConfig, checkpoint: str) -> None:
+    """The run's config.toml against what its checkpoint was written under: config.toml is a file a person
+    can edit, and a frozen field changed there got past `check_resume_overrides` (which compares the two)."""
+    now = frozen_settings(config)
+    for field, value in recorded.items():
+        if field in now and now[field] != value:
+            raise ConfigError(f"{field} is {now[field]!r} in the run's config.toml, but checkpoint {checkpoint} was "
+                              f"written with {value!r} (edited by hand?); it cannot change when resuming")
+
+
 def check_resume_overrides(saved: RunConfig, wanted: RunConfig) -> None:
     for field in FROZEN_ON_RESUME:
         if _section(saved, field) != _section(wanted, field):

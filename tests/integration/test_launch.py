@@ -495,6 +495,13 @@ def test_resuming_a_finished_run_asks_for_more_steps(ray_local, tmp_path):
     _, run_dir = run_tiny(tmp_path, "done", "run.steps=2", "producers.count=1")
     with pytest.raises(ConfigError, match=r"already at step 2 .* --set run.steps=N"):
         prepare(None, [], resume=str(run_dir.path))
+    # a frozen field edited in config.toml is refused against the checkpoint's record (it got past the
+    # comparison of config.toml with the overrides: outside review)
+    config_file = run_dir.path / "config.toml"
+    config_file.write_text(config_file.read_text().replace("seed = 0", "seed = 7"))
+    with pytest.raises(ConfigError, match=r"run.seed is 7 in the run's config.toml, but checkpoint step_000002 was "
+                                          r"written with 0"):
+        prepare(None, ["run.steps=3"], resume=str(run_dir.path))
 
 
 def test_a_file_task_with_a_local_checkpoint_and_a_reward_module_runs(ray_local, tmp_path, tiny_model_dir,
