@@ -19,6 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ import ray
 
 from streamrl import failpoints, logs
 from streamrl.buffer.actor import NAMESPACE, fetch_table, get_queue_actor
-from streamrl.buffer.queue import OPERATOR_HOLD, QueueClosed
+from streamrl.buffer.queue import OPERATOR_HOLD, QueueClosed, TrainGroups
 from streamrl.buffer.schema import FINISH_REASONS, LENGTH, list_offsets
 from streamrl.config import RunConfig
 from streamrl.engine.base import accept_offer
@@ -192,6 +193,18 @@ class StepResult:
     metrics: dict[str, Any]  # the learner's (loss, clip and mask fractions, kl_by_lag, ...) and the step's phases
 
 
+def _log_failure(taking: Future) -> None:
+    if (error := taking.exception()) is not None:
+        log.info("taking the next step's groups failed (the step that asks for them raises it): %s", error)
+
+
+@dataclass(frozen=True)
+class _Taken:
+    groups: TrainGroups
+    table: pa.Table
+    fetch_s: float
+
+
 class TrainerShell:
     """Steps a learner against the queue and publishes its weights; the backend-independent half of
     the trainer actor."""
@@ -206,6 +219,12 @@ class TrainerShell:
         self.weights = ray.get_actor(actor_name(run_name, "weights"), namespace=NAMESPACE)
         self.publisher = WeightPublisher(self.weights)
         self._cancel = threading.Event()
+        # The next step's groups are taken and fetched while this step's answer travels to the driver and
+        # the next call comes back (and while an evaluation runs): the queue is at the new version once a
+        # step has published, so they are the groups that step would take. Taken but not trained, they are
+        # the queue's `_in_training`: a checkpoint meanwhile queues them again.
+        self._taking = ThreadPoolExecutor(max_workers=1, thread_name_prefix="take")
+        self._next: Future[_Taken | None] | None = None
 
     def ready(self) -> int:
         return os.getpid()
@@ -227,12 +246,10 @@ class TrainerShell:
         self.publisher.publish(self.trainer.version, self.trainer.weights())
         return self.trainer.version
 
-    def step(self) -> StepResult | None:
-        """Take B groups within the staleness budget, train on them, publish the new version.
-        None when `cancel_step` was called before any group was taken."""
-        started = time.perf_counter()
+    def _take(self) -> _Taken | None:
+        """B groups within the staleness budget, fetched; None when `cancel_step` came first."""
         self._cancel.clear()
-        deadline = started + self.get_timeout_s
+        deadline = time.perf_counter() + self.get_timeout_s
         groups = None
         while groups is None:  # short waits, so a cancel is seen while admission is paused
             if self._cancel.is_set():
@@ -248,9 +265,21 @@ class TrainerShell:
             groups = ray.get(self.queue.get.remote(None, 0.5))
         if groups.version != self.trainer.version:
             raise RuntimeError(f"the queue is at version {groups.version}, the trainer at {self.trainer.version}")
-        waited = time.perf_counter() - started
+        started = time.perf_counter()
         table = fetch_table(groups)
-        fetched = time.perf_counter()
+        return _Taken(groups, table, fetch_s=time.perf_counter() - started)
+
+    def step(self) -> StepResult | None:
+        """Take B groups within the staleness budget (taken ahead, see `__init__`), train on them, publish
+        the new version and start taking the next step's. None when `cancel_step` was called before any
+        group was taken."""
+        started = time.perf_counter()
+        taking, self._next = self._next or self._taking.submit(self._take), None
+        taken = taking.result()  # the taker's error (NoBatchError, a dead queue) raises here
+        if taken is None:
+            return None
+        groups, table = taken.groups, taken.table
+        waited = time.perf_counter() - started  # what taking the groups ahead did not hide of this step
         failpoints.hit("trainer.train")
         with self._gpu_turn():
             metrics = {f"token_{k}" if k.startswith("staleness") else k: v
@@ -262,6 +291,8 @@ class TrainerShell:
             ray.get(self.queue.set_version.remote(self.trainer.version))
             self.publish()
             published = time.perf_counter()
+        self._next = self._taking.submit(self._take)
+        self._next.add_done_callback(_log_failure)  # seen even if no step asks for them (the run stopping)
         rewards = table.column("reward").to_numpy()
         return StepResult(
             version=self.trainer.version,
@@ -278,7 +309,7 @@ class TrainerShell:
                 **metrics,
                 **response_lengths(table),
                 "reward_std": float(rewards.std()),
-                "fetch_s": fetched - started - waited,  # the groups' rows out of the object store
+                "fetch_s": taken.fetch_s,  # the groups' rows out of the object store (hidden, if taken ahead)
                 "publish_s": published - trained,  # the queue's version, then the weights put and announced
                 "step_s": time.perf_counter() - started,
                 "ended_at": time.time(),
