@@ -219,9 +219,9 @@ class TrainerShell:
         self.weights = ray.get_actor(actor_name(run_name, "weights"), namespace=NAMESPACE)
         self.publisher = WeightPublisher(self.weights)
         self._cancel = threading.Event()
-        # The next step's groups are taken and fetched while this step's answer travels to the driver and
-        # the next call comes back (and while an evaluation runs): the queue is at the new version once a
-        # step has published, so they are the groups that step would take. Taken but not trained, they are
+        # The next step's groups are taken and fetched while this step publishes, its answer travels to the
+        # driver and the next call comes back (and while an evaluation runs): the queue is at the new version
+        # once a step has set it, so they are the groups that step would take. Taken but not trained, they are
         # the queue's `_in_training`: a checkpoint meanwhile queues them again.
         self._taking = ThreadPoolExecutor(max_workers=1, thread_name_prefix="take")
         self._next: Future[_Taken | None] | None = None
@@ -289,10 +289,10 @@ class TrainerShell:
             # stamped with a version it has not reached, so publishing first would let a fast producer
             # load v + 1, commit, and have its batch rejected (and its run fail) while the queue is at v.
             ray.get(self.queue.set_version.remote(self.trainer.version))
+            self._next = self._taking.submit(self._take)  # the queue is at the new version: beside the publish
+            self._next.add_done_callback(_log_failure)  # seen even if no step asks for them (the run stopping)
             self.publish()
             published = time.perf_counter()
-        self._next = self._taking.submit(self._take)
-        self._next.add_done_callback(_log_failure)  # seen even if no step asks for them (the run stopping)
         rewards = table.column("reward").to_numpy()
         return StepResult(
             version=self.trainer.version,
