@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import importlib.util
 import logging
 import math
 import os
@@ -86,10 +87,21 @@ def _shown(value: Any) -> str:
         return f"<{type(value).__name__} whose repr raised {type(exc).__name__}>"
 
 
-def _describe_exception(exc: BaseException) -> str:
+def _describe_exception(exc: BaseException, in_file: str | None = None) -> str:
+    """The error and where it was raised: the deepest frame of `in_file` if it has one (the user's line,
+    not a library's hook it went through: wandb wraps sys.exit once it has run), else the deepest."""
     frames = traceback.extract_tb(exc.__traceback__)
+    frames = [f for f in frames if f.filename == in_file] or frames
     where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
     return _short(f"{type(exc).__name__}: {exc}{where}")
+
+
+def _source_of(module_name: str) -> str | None:
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):  # a parent package that fails too, or a malformed name
+        return None
+    return None if spec is None else spec.origin
 
 
 def import_reward(spec: str, search_path: str | None = None) -> Callable[[str, dict], Any]:
@@ -105,7 +117,8 @@ def import_reward(spec: str, search_path: str | None = None) -> Callable[[str, d
         raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {exc}") from exc
     except (Exception, SystemExit) as exc:  # the module's own code failed as it ran: the user's bug, not ours
         # a SyntaxError names its file and line itself; its traceback ends in the import machinery
-        cause = _short(f"{type(exc).__name__}: {exc}") if isinstance(exc, SyntaxError) else _describe_exception(exc)
+        cause = (_short(f"{type(exc).__name__}: {exc}") if isinstance(exc, SyntaxError)
+                 else _describe_exception(exc, _source_of(module_name)))
         raise ValueError(f"reward {spec!r}: importing module {module_name!r} raised {cause}") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):

@@ -69,6 +69,22 @@ def test_a_reward_module_that_fails_as_it_is_imported_is_refused_naming_it(files
                   search_path=str(files))
 
 
+def test_a_reward_modules_exit_is_placed_on_its_own_line_when_a_library_wraps_sys_exit(files, tiny_model_dir,
+                                                                                      monkeypatch):
+    """wandb wraps sys.exit once a run has used it: the deepest frame was then the wrapper's (the suite
+    failed this way when a wandb test ran first), not the module's own line."""
+    real_exit = sys.exit
+
+    def wrapped_exit(code=None):  # as wandb's ExitHooks.exit does
+        real_exit(code)
+
+    monkeypatch.setattr(sys, "exit", wrapped_exit)
+    (files / "exiting_rewards.py").write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(ValueError, match=r"raised SystemExit: 3 \(at exiting_rewards\.py:2\)"):
+        make_task(section(files, reward="exiting_rewards:exact"), AutoTokenizer.from_pretrained(tiny_model_dir),
+                  search_path=str(files))
+
+
 def test_a_non_finite_reward_is_a_recorded_failure_with_the_fallback_reward(files, tiny_model_dir):
     (files / "nan_rewards.py").write_text("def nan(completion, row):\n    return float('nan')\n")
     task = make_task(section(files, reward="nan_rewards:nan"), AutoTokenizer.from_pretrained(tiny_model_dir),
