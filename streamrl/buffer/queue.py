@@ -242,8 +242,9 @@ class ReplayQueue:
             return 0, "stale_weights"
         # The capacity bounds memory, but never below one step's batch: with fewer groups queued and
         # running than a step takes, the trainer would wait for a batch that admission never lets form.
-        short_of_a_step = cfg.groups_per_step - len(self._queued) - len(self._running)
-        if self._queued_tokens >= cfg.capacity_tokens and short_of_a_step <= 0:
+        capacity_room = (cfg.groups_per_step - len(self._queued) - len(self._running)
+                         if self._queued_tokens >= cfg.capacity_tokens else None)  # None: under the capacity
+        if capacity_room is not None and capacity_room <= 0:
             return 0, "capacity"
         in_flight = cfg.max_in_flight - len(self._running)
         rule = dict(trainer_version=self._version, max_staleness=self._eta,
@@ -259,8 +260,8 @@ class ReplayQueue:
             if left_in_batch == 0 and self._running:
                 return 0, "batch"  # the previous step's batch still has groups generating
             budget = min(budget, left_in_batch or cfg.groups_per_step)
-        if self._queued_tokens >= cfg.capacity_tokens:
-            budget = min(budget, short_of_a_step)
+        if capacity_room is not None:
+            budget = min(budget, capacity_room)
         return min(budget, in_flight), None
 
     def _issue(self, producer_id: int, count: int) -> list[Ticket]:

@@ -153,8 +153,8 @@ def run_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, *, version: i
     diagnosed = diagnose and fresh is not None and backend.shard(np.arange(len(lengths))).size == len(lengths)
     extra = _alignment_with_fresh(backend, plan, batch, fresh, adv, proximal=proximal, reference=reference,
                                   version=version, keywords=keywords) if diagnosed else {}
-    # the fresh batch's log-probs at the step's starting weights, as the trainer computes them: its
-    # behaviour log-probs are the sampler's, renormalised over the top-p set, not the policy's
+    # the fresh batch's log-probs at the step's starting weights, as the trainer computes them (its
+    # behaviour log-probs are the sampler's: another kernel, and over the top-p set if one is given)
     before = _every_rows_logprobs(backend, plan, fresh) if diagnosed else None
     saved = backend.snapshot() if len(parts) > 1 else None
     grad_norms = []
