@@ -101,7 +101,8 @@ def reaching_address(host: str, port: int) -> str:
         return probe.getsockname()[0]
 
 
-_NCCL_ERRORS = threading.Lock()  # the error-handling variable is read while a group is built
+_CLOSED_POLL_S = 0.2  # how often a wait for a join looks whether its group was closed meanwhile
+_NCCL_ERRORS = threading.Lock()  # the error-handling variable is read while an NCCL group is built
 
 
 def join_group(store: dist.Store, *, backend: str, world_size: int, rank: int, group_name: str,
@@ -109,20 +110,29 @@ def join_group(store: dist.Store, *, backend: str, world_size: int, rank: int, g
     """Join a process group through `store`, outside the default group (sglang's layout, see above).
     An NCCL group is built with error handling 2 (clean up only): by default a collective that times
     out, or a peer that dies, tears the whole process down, and the sender is the trainer."""
-    with _NCCL_ERRORS:
+    if backend != "nccl":
+        # Gloo connects to every rank while the group is built. Under the lock, a join whose server had
+        # died held every other join for its whole timeout, and a replaced producer's new servers timed
+        # out waiting for the trainer to join their groups.
+        return _build_group(store, backend=backend, world_size=world_size, rank=rank, group_name=group_name,
+                            timeout_s=timeout_s)
+    with _NCCL_ERRORS:  # NCCL connects at the first collective: the lock is held only while it is built
         saved = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
-        if backend == "nccl":
-            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
         try:
-            group, _ = c10d._new_process_group_helper(world_size, rank, [], backend,
-                                                      dist.PrefixStore(group_name, store), group_name=group_name,
-                                                      timeout=datetime.timedelta(seconds=timeout_s))
+            return _build_group(store, backend=backend, world_size=world_size, rank=rank, group_name=group_name,
+                                timeout_s=timeout_s)
         finally:
-            if backend == "nccl":
-                if saved is None:
-                    os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
-                else:
-                    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = saved
+            if saved is None:
+                os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+            else:
+                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = saved
+
+
+def _build_group(store: dist.Store, *, backend: str, world_size: int, rank: int, group_name: str,
+                 timeout_s: float) -> Any:
+    group, _ = c10d._new_process_group_helper(world_size, rank, [], backend, dist.PrefixStore(group_name, store),
+                                              group_name=group_name, timeout=datetime.timedelta(seconds=timeout_s))
     c10d._world.pg_group_ranks[group] = {r: r for r in range(world_size)}  # group rank = rank in the group
     return group
 
@@ -216,10 +226,20 @@ class GroupSender:
         return address, store.port, self.backend
 
     def joined(self, name: str, timeout_s: float) -> None:
-        """Wait until the server's ranks are in the group (raises on a timeout or a failed join)."""
+        """Wait until the server's ranks are in the group. Raises on a timeout, a failed join, or the group
+        closed meanwhile: a dead producer's call returns then, rather than hold one of the trainer's
+        threads until its server's join times out."""
         with self._lock:
             store, joining = self._joining[name]
-        group = joining.result(timeout_s, f"joining update group {name}")
+        deadline = time.monotonic() + timeout_s
+        while not joining.ended.wait(min(_CLOSED_POLL_S, max(0.0, deadline - time.monotonic()))):
+            with self._lock:
+                closed = name not in self._joining
+            if closed:
+                raise RuntimeError(f"update group {name} was closed while it was being joined")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"joining update group {name}: no answer within {timeout_s:.0f} s")
+        group = joining.result(0.0, f"joining update group {name}")
         with self._lock:
             if self._joining.pop(name, None) is None:  # closed meanwhile: close_group destroys it
                 raise RuntimeError(f"update group {name} was closed while it was being joined")

@@ -570,6 +570,40 @@ def test_a_sender_refuses_a_group_name_twice_and_closes_a_dead_producers_groups_
     assert sender.close_groups("") == 0
 
 
+
+def test_a_group_whose_server_never_joins_holds_up_neither_another_servers_join_nor_the_caller_once_closed(server):
+    """A killed producer's server may die while the trainer is joining its group; that join waits out its
+    timeout (300 s by default). Under one lock for every join, the replacement's servers' joins waited
+    behind it and timed out (a fault test failed this way, one run in three); and the dead producer's
+    wait held one of the trainer's threads as long, after its groups were closed."""
+    from streamrl.weights.broadcast import GroupSender, UpdateGroup
+
+    sender = GroupSender()
+    sender.open_group("run-p0-dead", 2, server=("127.0.0.1", 1), node=None, timeout_s=60)  # rank 1 never comes
+    waited: dict[str, BaseException] = {}
+
+    def wait_for_dead_join():
+        try:
+            sender.joined("run-p0-dead", 60)
+        except BaseException as exc:
+            waited["error"] = exc
+
+    waiting = threading.Thread(target=wait_for_dead_join, daemon=True)
+    waiting.start()
+    group = UpdateGroup(SglangClient(server.url), sender, timeout_s=60)
+    started = time.monotonic()
+    try:
+        group.open()
+        assert time.monotonic() - started < 20  # the stand-in imports torch at its first join: seconds
+        assert sender.close_groups("run-p0-dead") == 1
+        waiting.join(5)
+        assert not waiting.is_alive()
+        assert "update group run-p0-dead was closed while it was being joined" in str(waited["error"])
+    finally:
+        group.close(on_server=True)
+        sender.close()
+
+
 def test_a_restarted_server_gets_a_new_group_and_then_the_next_version(io, server):
     from streamrl.weights.broadcast import UpdateGroups, distributed_loader
 
