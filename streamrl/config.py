@@ -232,6 +232,7 @@ class TrainerSection(_Section):
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.99)
     """Adam's β1, β2, each in [0, 1)."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW's decoupled decay, of weight matrices only (as Megatron: no bias or norm scale is decayed)."""
     grad_clip: float = Field(1.0, gt=0)
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     """The learning rate per optimizer step after the warm-up (`streamrl/trainer/schedule.py`); the step

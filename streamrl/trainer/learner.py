@@ -84,7 +84,10 @@ class ModuleBackend:
 
     def _init_optimizer(self) -> None:
         c = self.config
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
+        # Weight decay is applied in `optimizer_step`, to matrices only, as Megatron does: biases and norm
+        # scales are not decayed. One parameter group keeps the optimizer state's layout whatever the decay.
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=c.betas, weight_decay=0.0)
+        self._decayed = [p for p in self.model.parameters() if p.ndim >= 2]
 
     @property
     def device(self) -> torch.device:
@@ -115,6 +118,11 @@ class ModuleBackend:
     def optimizer_step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if self.config.weight_decay:
+            with torch.no_grad():  # AdamW's decoupled decay, before its update as in torch's
+                for param in self._decayed:
+                    if param.grad is not None:  # as AdamW, which skips a parameter without one
+                        param.mul_(1.0 - lr * self.config.weight_decay)
         self.optimizer.step()
 
     def snapshot(self) -> tuple[dict, dict]:
@@ -276,9 +284,10 @@ class Trainer:
         directory = Path(directory)
         optimizer = self.backend.optimizer
         optimizer.load_state_dict(torch.load(directory / self.backend.optimizer_file, weights_only=True))
-        # The settings configured now, not those saved: a resume may change them (lr is set every step).
+        # The settings configured now, not those saved: a resume may change them (lr is set every step;
+        # the decay is the backend's, applied in its optimizer step, and zero in a checkpoint written since)
         for group in optimizer.param_groups:
-            group["betas"], group["weight_decay"] = tuple(self.config.betas), self.config.weight_decay
+            group["betas"], group["weight_decay"] = tuple(self.config.betas), 0.0
         saved = json.loads((directory / "trainer.json").read_text())
         self.version = saved["version"]
         # checkpoints written before schedules: every step took `minibatches` optimizer steps

@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 
 import numpy as np
@@ -87,9 +88,29 @@ def test_a_resume_trains_with_the_optimizer_settings_configured_not_those_saved(
     changed = TorchTrainer(tmp_path / "model", trainer=TrainerSection(weight_decay=0.5, betas=(0.5, 0.6)),
                            loss=LossConfig(), group_size=4)
     changed.load_optimizer(tmp_path)
-    for group in changed.backend.optimizer.param_groups:
-        assert group["weight_decay"] == 0.5 and tuple(group["betas"]) == (0.5, 0.6)
+    for group in changed.backend.optimizer.param_groups:  # the decay is applied outside AdamW: see below
+        assert group["weight_decay"] == 0.0 and tuple(group["betas"]) == (0.5, 0.6)
     assert changed.backend.optimizer.state  # the moments themselves are the checkpoint's
+
+
+def test_weight_decay_shrinks_matrices_only_as_adamw_with_megatrons_parameter_groups(tiny_model_dir):
+    """Megatron decays neither biases nor norm scales (1-D parameters); every parameter used to be."""
+    t = TorchTrainer(tiny_model_dir, trainer=TrainerSection(weight_decay=0.5), loss=LossConfig(), group_size=4)
+    reference = copy.deepcopy(t.backend.model)
+    params = list(reference.parameters())
+    assert any(p.ndim < 2 for p in params) and any(p.ndim >= 2 for p in params)
+    adamw = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.5},
+                               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                              lr=0.1, betas=TrainerSection().betas)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for ours, theirs in zip(t.backend.model.parameters(), params, strict=True):
+            ours.grad = torch.randn(ours.shape, generator=generator)
+            theirs.grad = ours.grad.clone()
+        t.backend.optimizer_step(0.1)
+        adamw.step()
+    for ours, theirs in zip(t.backend.model.parameters(), params, strict=True):
+        torch.testing.assert_close(ours, theirs)
 
 
 def test_a_non_finite_gradient_skips_the_step_and_says_so(tiny_model_dir):
