@@ -18,11 +18,13 @@ no time) and training alone (engines that take no time), both launched the same 
 runs the built-in model on the long-tailed task (`launch/long-tail.toml`); its ideal comes from the same
 runs: the trainer's tokens/s while it computes and the engines' while they decode. Figures are read from
 each run's directory (metrics after the warm-up steps), whose path the report keeps per schedule.
+Ctrl-C stops the run under way, as it stops any `streamrl launch`, and the benchmark: no report is written.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -91,6 +93,8 @@ class Launcher:
         started = time.time()
         config, run_dir, _ = prepare(str(self.base), self.settings(name, extra))
         summary = launch(config, run_dir)
+        if summary["stopped_by"] == "interrupted":  # launch made a Ctrl-C stop this run: it ends the benchmark
+            raise KeyboardInterrupt(f"during the {name} run ({run_dir.path})")
         result = {**measure(run_dir, summary, warmup), "run_dir": str(run_dir.path),
                   "phase_wall_s": time.time() - started}
         self.console.print(f"{name}: {result['tokens_per_s']:,.0f} tokens/s over {result['steps_measured']} steps "
@@ -300,6 +304,9 @@ def main() -> None:
             results = sweep(launcher, args.sweep_etas, args.sweep_tails, args.sweep_producers, args.window_s / 2)
         else:
             results = run_schedules(launcher, args.engine, args.eta, args.window_s, args.steps)
+    except KeyboardInterrupt as exc:
+        print(f"pipeline: interrupted {exc}".rstrip() + "; no report written", file=sys.stderr)
+        raise SystemExit(130) from None
     finally:
         ray.shutdown()
     results["wall_s"] = time.time() - started

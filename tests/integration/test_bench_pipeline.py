@@ -2,8 +2,10 @@
 run whose directory the report names, and the report holds what it promises."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,29 @@ def test_the_pipeline_report_holds_every_schedule_its_run_and_ratio(tmp_path):
                                             / sum(m["samples"] for m in metrics[-results["async"]["steps_measured"]:]))
     assert report["workload"]["producers"] == 2 and report["workload"]["async_eta"] == 2
     assert "vs_baseline" in report  # compared with the stored baseline
+
+
+@pytest.mark.ray
+def test_ctrl_c_stops_the_benchmark_not_only_the_schedule_running(tmp_path):
+    """Before, the interrupted schedule's run stopped and the next schedule started."""
+    out, runs = tmp_path / "pipeline.json", tmp_path / "runs"
+    args = [*BENCH, "--window-s", "30", "--eta", "2", "--out", str(out), "--runs", str(runs)]
+    for item in TINY:
+        args += ["--set", item]
+    bench = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not any(m.stat().st_size for m in runs.glob("*/sync/metrics.jsonl")):  # the sync run trains
+            assert bench.poll() is None and time.monotonic() < deadline, bench.communicate()
+            time.sleep(0.5)
+        bench.send_signal(signal.SIGINT)
+        _, stderr = bench.communicate(timeout=120)
+    finally:
+        bench.kill()
+        bench.wait()
+    assert bench.returncode == 130, stderr
+    assert "pipeline: interrupted during the sync run" in stderr and "no report written" in stderr
+    assert [p.name for p in runs.glob("*/*")] == ["sync"] and not out.exists()
 
 
 def test_a_bad_setting_is_refused_by_name():
