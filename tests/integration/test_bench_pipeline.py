@@ -57,17 +57,20 @@ def test_ctrl_c_stops_the_benchmark_not_only_the_schedule_running(tmp_path):
     args = [*BENCH, "--window-s", "30", "--eta", "2", "--out", str(out), "--runs", str(runs)]
     for item in TINY:
         args += ["--set", item]
-    bench = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "bench.log"
+    with log.open("w") as output:  # a file, not a pipe nobody reads until the end
+        bench = subprocess.Popen(args, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
         while not any(m.stat().st_size for m in runs.glob("*/sync/metrics.jsonl")):  # the sync run trains
-            assert bench.poll() is None and time.monotonic() < deadline, bench.communicate()
+            assert bench.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.5)
         bench.send_signal(signal.SIGINT)
-        _, stderr = bench.communicate(timeout=120)
+        bench.wait(timeout=120)
     finally:
         bench.kill()
         bench.wait()
+    stderr = log.read_text()
     assert bench.returncode == 130, stderr
     assert "pipeline: interrupted during the sync run" in stderr and "no report written" in stderr
     assert [p.name for p in runs.glob("*/*")] == ["sync"] and not out.exists()
