@@ -93,7 +93,8 @@ class Launcher:
         started = time.time()
         config, run_dir, _ = prepare(str(self.base), self.settings(name, extra))
         summary = launch(config, run_dir)
-        if summary["stopped_by"] == "interrupted":  # launch made a Ctrl-C stop this run: it ends the benchmark
+        # a Ctrl-C stopped this run, or came while it stopped by itself: it ends the benchmark
+        if summary["stopped_by"] == "interrupted" or summary.get("interrupted_while_stopping"):
             raise KeyboardInterrupt(f"during the {name} run ({run_dir.path})")
         result = {**measure(run_dir, summary, warmup), "run_dir": str(run_dir.path),
                   "phase_wall_s": time.time() - started}

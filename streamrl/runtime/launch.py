@@ -500,7 +500,9 @@ def prepare(config_path: str | None = None, overrides: list[str] | None = None, 
 def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
            stop: threading.Event | None = None, sigterm_stops: bool = False) -> dict[str, Any]:
     """Run to completion, Ctrl-C, or until `stop` is set, and return the summary; Ray is left as it was found.
-    `sigterm_stops`: SIGTERM (a scheduler, `kill`) stops the run like Ctrl-C, with a checkpoint."""
+    `sigterm_stops`: SIGTERM (a scheduler, `kill`) stops the run like Ctrl-C, with a checkpoint. A Ctrl-C
+    while a finished run stops waits for its checkpoint; the summary returned then says
+    `interrupted_while_stopping` (`stopped_by` stays what ended the run)."""
     run = Run(config, run_dir, resume_from=resume_from)
     if sigterm_stops:
         signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -563,12 +565,18 @@ def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
             return run.finish(view)  # a Ctrl-C now is the second: it aborts
         # The run is over and stops by itself: a first Ctrl-C or SIGTERM while it does (producers finishing,
         # the final evaluation and checkpoint) waits for the checkpoint instead of losing it; a second aborts.
+        interrupted: list[bool] = []
+
         def notice() -> None:
+            interrupted.append(True)
             log.warning("interrupted while the finished run stops: the final checkpoint is written first")
             view.print("the run is over and stopping: the final checkpoint is being written (Ctrl-C again to abort)")
 
         with interrupts_deferred(raise_after=False, notice=notice):
-            return run.finish(view)
+            summary = run.finish(view)
+        if interrupted:  # the run was over; a caller running one launch after another stops here too
+            summary["interrupted_while_stopping"] = True
+        return summary
     finally:
         view.close()
         try:

@@ -2,6 +2,7 @@
 run whose directory the report names, and the report holds what it promises."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 from checkout import ROOT
+
+from streamrl import failpoints
 
 BENCH = [sys.executable, "-m", "benchmarks.pipeline"]  # run from the checkout root (it imports harness)
 TINY = ["producers.count=2", "sim.sequences_per_producer=8", "queue.groups_per_step=4", "queue.max_in_flight=16",
@@ -50,29 +53,52 @@ def test_the_pipeline_report_holds_every_schedule_its_run_and_ratio(tmp_path):
     assert "vs_baseline" in report  # compared with the stored baseline
 
 
-@pytest.mark.ray
-def test_ctrl_c_stops_the_benchmark_not_only_the_schedule_running(tmp_path):
-    """Before, the interrupted schedule's run stopped and the next schedule started."""
-    out, runs = tmp_path / "pipeline.json", tmp_path / "runs"
+def interrupt_bench(tmp_path, ready, env=None) -> tuple[int, str, Path, Path]:
+    """Run the benchmark, send SIGINT once `ready(runs)` holds; its exit status, output, runs and report."""
+    out, runs, log = tmp_path / "pipeline.json", tmp_path / "runs", tmp_path / "bench.log"
     args = [*BENCH, "--window-s", "30", "--eta", "2", "--out", str(out), "--runs", str(runs)]
     for item in TINY:
         args += ["--set", item]
-    log = tmp_path / "bench.log"
     with log.open("w") as output:  # a file, not a pipe nobody reads until the end
-        bench = subprocess.Popen(args, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
+        bench = subprocess.Popen(args, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT,
+                                 env={**os.environ, **(env or {})})
     try:
         deadline = time.monotonic() + 180
-        while not any(m.stat().st_size for m in runs.glob("*/sync/metrics.jsonl")):  # the sync run trains
+        while not ready(runs):
             assert bench.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.5)
+            time.sleep(0.2)
         bench.send_signal(signal.SIGINT)
         bench.wait(timeout=120)
     finally:
-        bench.kill()
-        bench.wait()
-    stderr = log.read_text()
-    assert bench.returncode == 130, stderr
-    assert "pipeline: interrupted during the sync run" in stderr and "no report written" in stderr
+        if bench.poll() is None:  # a second Ctrl-C aborts; the benchmark still shuts its Ray down
+            bench.send_signal(signal.SIGINT)
+            try:
+                bench.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                bench.kill()
+                bench.wait()
+    return bench.returncode, log.read_text(), runs, out
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("when", ["training", "stopping"])
+def test_ctrl_c_stops_the_benchmark_not_only_the_schedule_running(tmp_path, when):
+    """Before, the interrupted schedule's run stopped and the next schedule started; a Ctrl-C while a run
+    stopped by itself (its time limit reached, its final checkpoint being written) was held for the
+    checkpoint and then forgotten."""
+    if when == "training":
+        status, output, runs, out = interrupt_bench(
+            tmp_path, lambda runs: any(m.stat().st_size for m in runs.glob("*/sync/metrics.jsonl")))
+    else:  # the driver held a few seconds in the stop, after the sync run's time limit
+        held = tmp_path / "failpoints"
+        held.mkdir()
+        status, output, runs, out = interrupt_bench(
+            tmp_path, lambda runs: failpoints.fired(held) == ["launch.stop_producers"],
+            env={failpoints.ENV_SPEC: "launch.stop_producers=sleep:5", failpoints.ENV_DIR: str(held)})
+        (driver_log,) = runs.glob("*/sync/logs/driver.log")
+        assert "interrupted while the finished run stops" in driver_log.read_text()
+    assert status == 130, output
+    assert "pipeline: interrupted during the sync run" in output and "no report written" in output
     assert [p.name for p in runs.glob("*/*")] == ["sync"] and not out.exists()
 
 
