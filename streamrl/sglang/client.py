@@ -8,8 +8,8 @@ caller restarts it), and one that takes the connection but does not answer withi
 raises `EngineTimeout` (a busy server is alive: restarting it would not help). With an API key every
 request carries `Authorization: Bearer KEY`, which a server started with `--api-key` requires (401
 without it). Control calls (weights, pause, memory) are blocking, over the standard library; `/generate`
-is also offered as a coroutine (`generate_async`, aiohttp), so that one event loop keeps hundreds of
-samples in flight without a thread each.
+and the abort of one request are also offered as coroutines (`generate_async`, `abort_async`, aiohttp),
+so that one event loop keeps hundreds of samples in flight, and stops them, without a thread each.
 """
 
 from __future__ import annotations
@@ -104,24 +104,31 @@ class SglangClient:
                              top_p: float = 1.0, stop_token_ids: list[int] | None = None, rid: str | None = None,
                              seed: int | None = None) -> Segment:
         """`generate` as a coroutine of the calling event loop (one connection pool per client and loop)."""
-        import aiohttp  # here: the blocking calls (and the GPU smoke test's machine) need no aiohttp
-
         payload = _generate_payload(input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                     stop_token_ids=stop_token_ids, rid=rid, seed=seed)
+        return _segment(await self._call_async("/generate", payload))
+
+    async def abort_async(self, rid: str) -> None:
+        """`abort(rid)` as a coroutine: a cancelled sample's request ends on the server without a thread."""
+        await self._call_async("/abort_request", {"rid": rid, "abort_all": False})
+
+    async def _call_async(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        import aiohttp  # here: the blocking calls (and the GPU smoke test's machine) need no aiohttp
+
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                                   timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         try:
-            async with self._session.post(f"http://{self.host}:{self.port}/generate", json=payload,
+            async with self._session.post(f"http://{self.host}:{self.port}{path}", json=payload,
                                           headers=self._headers()) as response:
                 status, data = response.status, await response.read()
         except aiohttp.ConnectionTimeoutError as exc:  # a TimeoutError too, but it never connected
-            raise EngineUnreachable(f"sglang server {self.url}/generate: {exc!r}") from exc
+            raise EngineUnreachable(f"sglang server {self.url}{path}: {exc!r}") from exc
         except TimeoutError as exc:
-            raise EngineTimeout(f"sglang server {self.url}/generate: no answer within {self.timeout_s:g} s") from exc
+            raise EngineTimeout(f"sglang server {self.url}{path}: no answer within {self.timeout_s:g} s") from exc
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
-            raise EngineUnreachable(f"sglang server {self.url}/generate: {exc!r}") from exc
-        return _segment(self._answer("/generate", status, data))
+            raise EngineUnreachable(f"sglang server {self.url}{path}: {exc!r}") from exc
+        return self._answer(path, status, data)
 
     async def close_async(self) -> None:
         """Close `generate_async`'s connections (in the loop that made them)."""

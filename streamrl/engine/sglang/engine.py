@@ -102,7 +102,7 @@ class SglangEngine:
         if server is not None and client.api_key is None:
             client.api_key = server.spec.api_key  # a client made from the server's URL alone
         self.client, self.server, self.io = client, server, io
-        io.on_close(client.close_async)
+        io.on_close(self._close_async)
         self.version = version
         self.closing = False  # set before the producer stops its servers: a failed request is not a crash
         self._released = False  # colocated: the server gave its GPU memory to the trainer
@@ -111,6 +111,7 @@ class SglangEngine:
         self._in_flight = 0  # requests sent and not returned, counted on the loop
         self._update_lock = threading.Lock()  # one update, release or restart of this server at a time
         self._loaded: tuple[int, Loader] | None = None  # the newest weights, to reload after a restart
+        self._aborts: set[asyncio.Task[None]] = set()  # aborts of cancelled requests, held until they end
         self.stats = {"segments": 0, "continued": 0, "updates": 0, "update_s": 0.0, "restarts": 0, "tokens": 0}
 
     @property
@@ -136,7 +137,9 @@ class SglangEngine:
                 await asyncio.get_running_loop().run_in_executor(None, self._recover, exc)
                 raise EngineLost(f"{self.client.url} failed a request: {exc}") from exc
             except asyncio.CancelledError:  # the group was stopped: the server need not finish it
-                asyncio.get_running_loop().run_in_executor(None, self._abort_quietly, rid)
+                abort = asyncio.get_running_loop().create_task(self._abort_quietly(rid))
+                self._aborts.add(abort)  # the loop holds tasks weakly
+                abort.add_done_callback(self._aborts.discard)
                 raise
             finally:
                 self._in_flight -= 1
@@ -154,11 +157,19 @@ class SglangEngine:
         return Completion(np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32),
                           np.asarray(versions, np.int32), finish, segments)
 
-    def _abort_quietly(self, rid: str) -> None:
+    async def _abort_quietly(self, rid: str) -> None:
         try:
-            self.client.abort(rid)
+            await self.client.abort_async(rid)
         except (EngineUnreachable, SglangError):
             pass  # the request is gone either way: the server died, or it had finished
+
+    async def _close_async(self) -> None:
+        """On the loop as it closes: aborts still waiting for their server are dropped (it is being stopped),
+        then the client's connections close."""
+        for abort in list(self._aborts):
+            abort.cancel()
+        await asyncio.gather(*self._aborts, return_exceptions=True)
+        await self.client.close_async()
 
     def _segment_version(self, reported: str | None, submitted: int) -> int:
         """The version that generated a segment: the server's own `weight_version`, set when it answered
