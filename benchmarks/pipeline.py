@@ -299,8 +299,8 @@ def main() -> None:
         raise SystemExit(f"pipeline: {exc}") from exc
     launcher = Launcher(CONFIGS[args.engine], args.set, root, console)
     started = time.time()
-    start_local(None, namespace="streamrl", logging_level="WARNING", log_to_driver=False)
     try:
+        start_local(None, namespace="streamrl", logging_level="WARNING", log_to_driver=False)
         if args.sweep:
             results = sweep(launcher, args.sweep_etas, args.sweep_tails, args.sweep_producers, args.window_s / 2)
         else:

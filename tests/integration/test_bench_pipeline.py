@@ -54,7 +54,7 @@ def test_the_pipeline_report_holds_every_schedule_its_run_and_ratio(tmp_path):
 
 
 def interrupt_bench(tmp_path, ready, env=None) -> tuple[int, str, Path, Path]:
-    """Run the benchmark, send SIGINT once `ready(runs)` holds; its exit status, output, runs and report."""
+    """Run the benchmark, send SIGINT once `ready(runs, pid)` holds; its exit status, output, runs and report."""
     out, runs, log = tmp_path / "pipeline.json", tmp_path / "runs", tmp_path / "bench.log"
     args = [*BENCH, "--window-s", "30", "--eta", "2", "--out", str(out), "--runs", str(runs)]
     for item in TINY:
@@ -64,7 +64,7 @@ def interrupt_bench(tmp_path, ready, env=None) -> tuple[int, str, Path, Path]:
                                  env={**os.environ, **(env or {})})
     try:
         deadline = time.monotonic() + 180
-        while not ready(runs):
+        while not ready(runs, bench.pid):
             assert bench.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
         bench.send_signal(signal.SIGINT)
@@ -80,6 +80,42 @@ def interrupt_bench(tmp_path, ready, env=None) -> tuple[int, str, Path, Path]:
     return bench.returncode, log.read_text(), runs, out
 
 
+def gcs_server_of(pid: int) -> int | None:
+    """The pid of the Ray GCS server that process `pid` started (its `ray.init` is under way), if any."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue  # it exited meanwhile
+        name, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if name == "gcs_server" and int(fields[1]) == pid:
+            return int(stat.parent.name)
+    return None
+
+
+@pytest.mark.ray
+def test_ctrl_c_while_the_benchmark_starts_ray_exits_130_and_leaves_no_ray_process(tmp_path):
+    """Ray's start-up was outside the benchmark's interrupt handling: a traceback and exit status 1."""
+    gcs = []
+    status, output, runs, out = interrupt_bench(tmp_path, lambda runs, pid: gcs.append(gcs_server_of(pid)) or gcs[-1])
+    assert status == 130, output
+    assert "pipeline: interrupted; no report written" in output and "Traceback" not in output
+    assert not list(runs.glob("*/*")) and not out.exists()
+    deadline = time.monotonic() + 10
+    while running(gcs[-1]) and time.monotonic() < deadline:
+        time.sleep(0.1)  # Ray's shutdown ends it
+    assert not running(gcs[-1])
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead and not yet reaped, does not)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return text[text.rindex(")") + 2:].split()[0] != "Z"
+
+
 @pytest.mark.ray
 @pytest.mark.parametrize("when", ["training", "stopping"])
 def test_ctrl_c_stops_the_benchmark_not_only_the_schedule_running(tmp_path, when):
@@ -88,12 +124,12 @@ def test_ctrl_c_stops_the_benchmark_not_only_the_schedule_running(tmp_path, when
     checkpoint and then forgotten."""
     if when == "training":
         status, output, runs, out = interrupt_bench(
-            tmp_path, lambda runs: any(m.stat().st_size for m in runs.glob("*/sync/metrics.jsonl")))
+            tmp_path, lambda runs, pid: any(m.stat().st_size for m in runs.glob("*/sync/metrics.jsonl")))
     else:  # the driver held a few seconds in the stop, after the sync run's time limit
         held = tmp_path / "failpoints"
         held.mkdir()
         status, output, runs, out = interrupt_bench(
-            tmp_path, lambda runs: failpoints.fired(held) == ["launch.stop_producers"],
+            tmp_path, lambda runs, pid: failpoints.fired(held) == ["launch.stop_producers"],
             env={failpoints.ENV_SPEC: "launch.stop_producers=sleep:5", failpoints.ENV_DIR: str(held)})
         (driver_log,) = runs.glob("*/sync/logs/driver.log")
         assert "interrupted while the finished run stops" in driver_log.read_text()
