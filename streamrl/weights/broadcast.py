@@ -230,6 +230,10 @@ class GroupSender:
         closed meanwhile: a dead producer's call returns then, rather than hold one of the trainer's
         threads until its server's join times out."""
         with self._lock:
+            if name in self._groups:
+                return  # joined by an earlier call
+            if name not in self._joining:  # closed before this call came: the caller's producer is gone
+                raise RuntimeError(f"update group {name} is not being joined (closed, or never opened)")
             store, joining = self._joining[name]
         deadline = time.monotonic() + timeout_s
         while not joining.ended.wait(min(_CLOSED_POLL_S, max(0.0, deadline - time.monotonic()))):

@@ -631,6 +631,8 @@ def test_a_group_whose_server_never_joins_holds_up_neither_another_servers_join_
         waiting.join(5)
         assert not waiting.is_alive()
         assert "update group run-p0-dead was closed while it was being joined" in str(waited["error"])
+        with pytest.raises(RuntimeError, match="update group run-p0-dead is not being joined"):
+            sender.joined("run-p0-dead", 60)  # the dead producer's call, arriving after the close (KeyError before)
     finally:
         group.close(on_server=True)
         sender.close()
