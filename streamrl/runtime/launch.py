@@ -23,6 +23,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -296,7 +297,10 @@ class Run:
                 self.stopped_by = self._stopping(stop, started)
                 if self.stopped_by is not None:
                     return
-                self._pending = self.trainer.step.remote()  # cleared by `_record` once the step is recorded
+                with interrupts_deferred():  # asked for and held in one move: a Ctrl-C now stops after this step
+                    asked = self.trainer.step.remote()
+                    failpoints.hit("launch.step_asked")
+                    self._pending = asked  # cleared by `_record` once the step is recorded
             result = self._await(self._pending, lambda: self._stopping(stop, started))
             if result is None:
                 if self.stopped_by is None:
@@ -537,6 +541,19 @@ def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
             # Only now that the run has started: a resume refused for its input (too few CPUs, a model
             # that does not load) leaves the run directory as it was.
             run_dir.rewind(run.start_step, config)
+        # A run that stops by itself (its steps or time done, a producer failed, no batch could be made): a
+        # first Ctrl-C or SIGTERM while it does (producers finishing, the final evaluation and checkpoint)
+        # waits for the checkpoint instead of losing it; a second aborts.
+        interrupted: list[bool] = []
+
+        def notice() -> None:
+            interrupted.append(True)
+            log.warning("interrupted while the finished run stops: the final checkpoint is written first")
+            view.print("the run is stopping: the final checkpoint is being written (Ctrl-C again to abort)")
+
+        def stopping_by_itself() -> AbstractContextManager[None]:
+            return interrupts_deferred(raise_after=False, notice=notice)
+
         try:
             run.train(view, stop or threading.Event())
         except KeyboardInterrupt:
@@ -548,7 +565,8 @@ def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
                 raise failed from exc
             run.stopped_by = "producer_failed"
             view.print(f"{exc}: stopping the run with a checkpoint")
-            return run.finish(view)  # raises RunFailed, naming the producer, once the checkpoint is written
+            with stopping_by_itself():
+                return run.finish(view)  # raises RunFailed, naming the producer, once the checkpoint is written
         except ray.exceptions.RayError as exc:
             failed = run.failure(exc)
             if failed is not None:
@@ -558,21 +576,13 @@ def launch(config: RunConfig, run_dir: RunDir, resume_from: Path | None = None,
                 raise
             # Every actor is alive and the trainer unchanged: stop with a final checkpoint, then say why.
             view.print(f"{first_line(cause)}: stopping the run with a checkpoint")
-            run.finish_without_step(view, "no_batch")
+            with stopping_by_itself():
+                run.finish_without_step(view, "no_batch")
             raise RunFailed(f"{first_line(cause)}; the run stopped with a checkpoint at step {run.step}. "
                             f"To go on: streamrl launch --resume {run_dir.path}") from exc
         if run.stopped_by == "interrupted":
             return run.finish(view)  # a Ctrl-C now is the second: it aborts
-        # The run is over and stops by itself: a first Ctrl-C or SIGTERM while it does (producers finishing,
-        # the final evaluation and checkpoint) waits for the checkpoint instead of losing it; a second aborts.
-        interrupted: list[bool] = []
-
-        def notice() -> None:
-            interrupted.append(True)
-            log.warning("interrupted while the finished run stops: the final checkpoint is written first")
-            view.print("the run is over and stopping: the final checkpoint is being written (Ctrl-C again to abort)")
-
-        with interrupts_deferred(raise_after=False, notice=notice):
+        with stopping_by_itself():
             summary = run.finish(view)
         if interrupted:  # the run was over; a caller running one launch after another stops here too
             summary["interrupted_while_stopping"] = True

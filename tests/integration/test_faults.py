@@ -129,6 +129,54 @@ def test_a_producer_that_raises_stops_the_run_with_a_checkpoint_that_resumes(ray
     assert_nothing_lost_or_repeated(run_dir, steps + 2)
 
 
+def ctrl_c_at(point: str, spec: str, tmp_path, name: str, *extra: str) -> tuple[int, str, RunDir]:
+    """`streamrl launch` from a terminal with fail points `spec`, and a Ctrl-C once `point` fires (a
+    `sleep` there holds the phase open for it): its exit status, output and run directory."""
+    directory = tmp_path / "failpoints"
+    directory.mkdir()
+    proc = launch_subprocess(tiny(tmp_path, name, *extra), address=ray.get_runtime_context().gcs_address,
+                             env={failpoints.ENV_SPEC: spec, failpoints.ENV_DIR: str(directory)})
+    deadline = time.monotonic() + 180
+    while point not in failpoints.fired(directory):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"{point} never fired: {proc.communicate()[0][-2000:]}")
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    output = proc.communicate(timeout=120)[0]
+    return proc.returncode, output, RunDir.open(tmp_path / name)
+
+
+def test_a_ctrl_c_just_after_a_step_is_asked_for_records_that_step_and_the_checkpoint_resumes(ray_local, tmp_path):
+    """The first step of a launch (and the one after an evaluation or checkpoint) was asked for outside
+    the Ctrl-C guard: interrupted there, the trainer trained it unrecorded while the final checkpoint was
+    written, whose metadata then said one step less than its trainer and queue (resume refused)."""
+    status, output, run_dir = ctrl_c_at("launch.step_asked", "launch.step_asked=sleep:3", tmp_path, "asked",
+                                        "run.steps=100000", "run.checkpoint_every=0")
+    assert status == 130, output
+    summary = json.loads((run_dir.path / "summary.json").read_text())
+    assert summary["stopped_by"] == "interrupted" and summary["steps"] == 1
+    assert [m["step"] for m in run_dir.read("metrics.jsonl")] == [1]
+    assert run_dir.latest_checkpoint().name == "step_000001"
+    summary = resume_tiny(run_dir, "run.steps=3")
+    assert summary["stopped_by"] == "steps"
+    assert_nothing_lost_or_repeated(run_dir, 3)
+
+
+def test_a_ctrl_c_while_a_failed_producers_run_writes_its_checkpoint_waits_for_it(ray_local, tmp_path):
+    """As when a run ends by itself: the first Ctrl-C lets the final checkpoint finish (it deleted the
+    half-written checkpoint before, and with checkpoint_every = 0 the run had none)."""
+    status, output, run_dir = ctrl_c_at("checkpoint.write", "producer.generate=raise@3;checkpoint.write=sleep:3",
+                                        tmp_path, "failed-producer", "run.steps=100000", "run.checkpoint_every=0",
+                                        "producers.count=2")
+    assert status == 1, output  # the run failed, naming the producer, after its checkpoint
+    assert "FailPointError" in output
+    assert "interrupted while the finished run stops" in (run_dir.path / "logs" / "driver.log").read_text()
+    summary = json.loads((run_dir.path / "summary.json").read_text())
+    assert summary["stopped_by"] == "producer_failed"
+    assert run_dir.latest_checkpoint().name == f"step_{summary['steps']:06d}"
+
+
 def test_a_trainer_killed_mid_step_resumes_from_the_last_checkpoint(ray_local, tmp_path, armed):
     armed("trainer.train=kill@4")  # in the 4th step, after the checkpoint of step 2
     with pytest.raises(RunFailed, match=r"the trainer actor died at step 3.*To resume from step_000002") as caught:
