@@ -21,8 +21,9 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
-from streamrl.buffer.config import QueueConfig
+from streamrl.buffer.config import LONGEST_WAIT_S, QueueConfig
 from streamrl.correction.config import LossConfig
+from streamrl.net import cluster_address_problem
 from streamrl.sim.workload import SimSection, SimWorkload
 
 
@@ -42,7 +43,7 @@ class RunSection(_Section):
     seed: int = Field(0, ge=0)
     steps: int = Field(900, ge=1)
     """Trainer steps (optimizer updates) to take; the run also stops at `time_limit_s`."""
-    time_limit_s: float | None = Field(200.0, gt=0)
+    time_limit_s: float | None = Field(200.0, gt=0, le=LONGEST_WAIT_S)
     """Stop training after this many seconds (Ray and model start-up not counted); 0 or null: no limit."""
 
     @field_validator("time_limit_s", mode="before")
@@ -184,7 +185,7 @@ class SglangSection(_Section):
     launcher: list[str] | None = Field(None, min_length=1)
     """The command before the server flags; None: `python -m sglang.launch_server`."""
     extra_args: list[str] = []
-    startup_timeout_s: float = Field(600.0, gt=0)
+    startup_timeout_s: float = Field(600.0, gt=0, le=LONGEST_WAIT_S)
     weights: Literal["disk", "distributed", "tensor"] = "disk"
     """How a producer puts new weights into its servers: "disk" writes safetensors and calls
     /update_weights_from_disk; "distributed" broadcasts them over one process group
@@ -194,7 +195,7 @@ class SglangSection(_Section):
     (/update_weights_from_tensor; one bucket of GPU memory in the producer, no disk, no group)."""
     bucket_mb: int = Field(512, ge=1)
     """"distributed" and "tensor": tensors per call, in MiB (a larger one alone)."""
-    weights_timeout_s: float = Field(300.0, gt=0)
+    weights_timeout_s: float = Field(300.0, gt=0, le=LONGEST_WAIT_S)
     """"distributed": longest wait to form a group or move one bucket (a dead server cannot hang the producer)."""
 
 
@@ -214,7 +215,7 @@ class ProducerSection(_Section):
     double_buffer: bool = True
     """Copy new weights into a second model in the background and swap at a decode step (no stall,
     twice the model memory); false: copy into the live model at the decode step."""
-    weight_poll_s: float = Field(1.0, gt=0)
+    weight_poll_s: float = Field(1.0, gt=0, le=LONGEST_WAIT_S)
     """Longest wait of one long poll for newer weights (a new version is seen as soon as it is published)."""
     num_gpus: float = Field(0.0, ge=0)
     """Ray GPUs each producer reserves (its sglang servers run on them)."""
@@ -263,7 +264,7 @@ class TrainerSection(_Section):
     """megatron backend: stages the model's layers are split over in order (it must divide the layer
     count), micro-batches flowing through them one-forward-one-backward; the trainer runs
     tensor_parallel × data_parallel × pipeline_parallel rank actors."""
-    collective_timeout_s: float = Field(600.0, gt=0)
+    collective_timeout_s: float = Field(600.0, gt=0, le=LONGEST_WAIT_S)
     """megatron backend: longest wait for the other ranks (joining, each collective); a dead rank
     fails the run after this instead of hanging it."""
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
@@ -278,7 +279,7 @@ class TrainerSection(_Section):
     reference_offload: bool = False
     """With loss.kl_coef > 0: keep the reference policy (a frozen copy of the initial weights) in host
     memory between steps, moved to the trainer's GPU for its forward pass only."""
-    get_timeout_s: float = Field(300.0, gt=0)
+    get_timeout_s: float = Field(300.0, gt=0, le=LONGEST_WAIT_S)
     """The trainer gives up when no batch arrives for this long (not counted while the operator has paused
     admission): the run stops with a checkpoint and fails."""
     diagnose_every: int = Field(0, ge=0)
@@ -306,9 +307,17 @@ class LoggingSection(_Section):
 
 class RaySection(_Section):
     address: str | None = None
-    """None: start a local Ray instance for the run; `auto` or HOST:PORT: join a cluster."""
+    """None: start a local Ray instance for the run; `auto`, HOST:PORT or ray://HOST:PORT: join a cluster."""
     num_cpus: int | None = Field(None, ge=1)
     """CPUs of the local instance (default: all)."""
+
+    @field_validator("address")
+    @classmethod
+    def _a_cluster_address(cls, address: str | None) -> str | None:
+        problem = None if address is None else cluster_address_problem(address)
+        if problem is not None:
+            raise ValueError(problem)
+        return address
 
 
 # A run's queue where its config says nothing; a `[queue]` table that sets some fields keeps these for the

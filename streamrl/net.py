@@ -21,6 +21,19 @@ def is_loopback(host: str) -> bool:
     return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
+def cluster_address_problem(address: str) -> str | None:
+    """What is wrong with a Ray cluster address (`auto`, HOST:PORT or ray://HOST:PORT), or None."""
+    if address == "auto":
+        return None
+    host_port = address.removeprefix("ray://")
+    host, sep, port = host_port.rpartition(":")
+    if not sep or not host or "/" in host_port or "://" in host_port:
+        return f"not a Ray cluster address: {address!r} (expected HOST:PORT, ray://HOST:PORT or auto)"
+    if not (port.isdigit() and 1 <= int(port) <= 65535):
+        return f"not a Ray cluster address: {address!r} (its port {port!r} is not a number from 1 to 65535)"
+    return None
+
+
 def free_port(host: str = LOOPBACK) -> int:
     """A TCP port free on `host` at the time of asking (for a rendezvous another process opens)."""
     with socket.socket() as probe:

@@ -7,6 +7,10 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+# The most any duration or timeout of a run may be (a year): a wait much longer overflows (threading.TIMEOUT_MAX
+# is ~9.2e9 s, and deadlines are added to the clock), deep inside an actor rather than in the config check.
+LONGEST_WAIT_S = 365 * 24 * 3600.0
+
 
 class QueueConfig(BaseModel):
     """What the queue admits, holds and hands to the trainer."""
@@ -71,7 +75,7 @@ class QueueConfig(BaseModel):
     vocab_size: int | None = Field(None, ge=1)
     """When set, token ids outside [0, vocab_size) are refused."""
 
-    ticket_timeout_s: float | None = Field(None, gt=0)
+    ticket_timeout_s: float | None = Field(None, gt=0, le=LONGEST_WAIT_S)
     """A group running longer than this is abandoned (its prompt goes back) and its ticket expires."""
 
     @field_validator("max_staleness", mode="before")

@@ -32,7 +32,7 @@ from typing import Any
 
 import ray
 
-from streamrl.net import LOOPBACK, is_loopback
+from streamrl.net import LOOPBACK, cluster_address_problem, is_loopback
 
 AUTH_MODE_VAR, TOKEN_VAR, TOKEN_PATH_VAR = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
 DEFAULT_TOKEN_FILE = Path("~/.ray/auth_token")
@@ -76,7 +76,13 @@ def start_local(num_cpus: int | None = None, **init_kwargs: Any) -> None:
 def join_cluster(address: str, **init_kwargs: Any) -> None:
     """Join the running cluster at `address` (HOST:PORT, or `auto`: the one started on this machine)."""
     if address.startswith("ray://"):  # Ray Client: its server on the head node does the connecting
-        ray.init(address=address, **init_kwargs)
+        problem = cluster_address_problem(address)
+        if problem is not None:
+            raise RayConnectError(problem)
+        try:
+            ray.init(address=address, **init_kwargs)
+        except ConnectionError as exc:
+            raise RayConnectError(f"cannot connect to the Ray client server at {address}: {exc}") from exc
         return
     gcs_address = _resolve(address)
     host = gcs_address.rsplit(":", 1)[0]
@@ -112,8 +118,11 @@ def _resolve(address: str) -> str:
         except ConnectionError as exc:
             raise RayConnectError("no running Ray cluster found on this machine: start the run first, "
                                   "or pass --address HOST:PORT") from exc
-    if resolved is None or ":" not in resolved:
+    if resolved is None:
         raise RayConnectError(f"not a Ray cluster address: {address!r} (expected HOST:PORT or auto)")
+    problem = cluster_address_problem(resolved)
+    if problem is not None:  # Ray's own client raises ValueError on some, or waits on a port that cannot be
+        raise RayConnectError(problem if resolved == address else f"{problem}, found for {address!r}")
     return resolved
 
 

@@ -103,7 +103,11 @@ class RunDir:
         if run.path.exists():
             raise RunDirError(f"run directory {str(run.path)!r} already exists: pick another run.name, "
                               f"or continue it with --resume {run.path}")
-        run.path.mkdir(parents=True)
+        try:
+            run.path.mkdir(parents=True)
+        except OSError as exc:  # a parent that is a file, not writable, or cannot be made (e.g. under /proc)
+            raise RunDirError(f"cannot create the run directory {str(run.path)!r} (run.output_dir / run.name): "
+                              f"{exc.strerror or exc}") from exc
         run.save_config(config)
         return run
 

@@ -47,6 +47,14 @@ def test_bad_verb_and_action_exit_nonzero(capsys):
     assert "--run" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("address", ["127.0.0.1:notaport", "http://127.0.0.1:8265", "127.0.0.1:", "ray://head:0"])
+def test_admission_refuses_a_malformed_cluster_address_in_one_line(address, capsys):
+    """Ray's client raised ValueError on some of these (a traceback, exit status 1)."""
+    assert main(["admission", "status", "--run", "x", "--address", address]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"streamrl: error: not a Ray cluster address: {address!r}") and err.count("\n") == 1
+
+
 @pytest.mark.ray
 def test_admission_pause_resume_status_against_a_named_queue(ray_local, capsys):
     queue = create_queue_actor("cli-run", QueueConfig(group_size=1, groups_per_step=1))

@@ -412,6 +412,9 @@ def test_ctrl_c_stops_cleanly_with_a_checkpoint(ray_local, tmp_path):
     (["launch", "--set", "oops"], "expected section.key=value"),
     (["launch", "missing.toml"], "config file 'missing.toml' does not exist"),
     (["launch", "--resume", "/nonexistent/run"], "is not a streamrl run directory"),
+    # outside review: a traceback (FileNotFoundError; Ray's ValueError) and exit status 1 before
+    (["launch", "--set", 'run.output_dir="/proc/nope"'], "cannot create the run directory '/proc/nope/"),
+    (["launch", "--address", "http://127.0.0.1:8265"], "not a Ray cluster address: 'http://127.0.0.1:8265'"),
 ])
 def test_bad_config_and_cli_input_give_clear_errors(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -77,6 +77,13 @@ SIM = ["producers.engine=sim", "trainer.backend=sim", "task.kind=sim"]
     (["run.name=nan"], r"run\.name: nan reads as a number .* quote it to make it a string \(--set 'run\.name=\"nan\"'\)"),
     (["producers.sglang.extra_args=[\"--x\", inf]"], r"extra_args\.1: inf reads as a number .* \(\"inf\"\)"),
     (["run.steps=nan"], r"run\.steps: nan is not a finite number$"),
+    # outside review: these reached Ray's client, which raised ValueError (a traceback) or waited on the port
+    (['ray.address="http://127.0.0.1:8265"'], r"ray\.address: .*not a Ray cluster address: 'http://127\.0\.0\.1:8265'"),
+    (['ray.address="127.0.0.1:notaport"'], r"ray\.address: .*its port 'notaport' is not a number from 1 to 65535"),
+    (['ray.address="127.0.0.1:99999"'], r"ray\.address: .*its port '99999' is not a number"),
+    (['ray.address=""'], r"ray\.address: .*not a Ray cluster address: ''"),
+    (["producers.weight_poll_s=1e10"], r"producers\.weight_poll_s: Input should be less than or equal to 31536000"),
+    (["queue.ticket_timeout_s=1e10"], r"queue\.ticket_timeout_s: Input should be less than or equal to 31536000"),
 ])
 def test_bad_values_name_the_field_and_the_value(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -89,6 +96,8 @@ def test_the_limits_of_those_checks_are_accepted():
     assert load_config(overrides=["task.kind=long_tail", "task.digits=5", "task.max_digits=5"]).task.digits == 5
     assert load_config(overrides=["task.digits=12", "task.max_digits=5"]).task.digits == 12  # reverse: max unused
     assert load_config(overrides=['run.name="nan"']).run.name == "nan"
+    for address in ("auto", "10.0.0.2:6379", "ray://head:10001", "[::1]:6379", "localhost:65535"):
+        assert load_config(overrides=[f"ray.address={address!r}"]).ray.address == address
 
 
 @pytest.mark.parametrize("item", ["novalue", "=3", "run.steps.x=3"])
