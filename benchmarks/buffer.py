@@ -25,7 +25,7 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
-from harness.benchreport import BASELINES, Target, finish
+from harness.benchreport import BASELINES, Target, check_report_paths, finish, positive_float, positive_int
 from harness.synthetic import synthetic_batch
 from streamrl.buffer import QueueConfig, ReplayQueue, assemble
 from streamrl.buffer.actor import create_queue_actor, fetch_table
@@ -193,12 +193,14 @@ def bench_ray(batches: int, seconds: float, rounds: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/buffer.json"))
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--seconds", type=float, default=1.0)
-    parser.add_argument("--ray-batches", type=int, default=8, help="batches per round of the Ray path")
-    parser.add_argument("--ray-rounds", type=int, default=7, help="rounds of the Ray path and a plain put + get")
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--seconds", type=positive_float, default=1.0)
+    parser.add_argument("--ray-batches", type=positive_int, default=8, help="batches per round of the Ray path")
+    parser.add_argument("--ray-rounds", type=positive_int, default=7,
+                        help="rounds of the Ray path and a plain put + get")
     parser.add_argument("--baseline", type=Path, help="report to compare with (default: the stored baseline)")
     args = parser.parse_args()
+    check_report_paths(parser, args.out, args.baseline)
 
     results = {**bench_put_get(args.repeats), **bench_admit(args.seconds),
                **bench_ray(args.ray_batches, args.seconds, args.ray_rounds)}

@@ -23,7 +23,7 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
-from harness.benchreport import BASELINES, Target, finish
+from harness.benchreport import BASELINES, Target, check_report_paths, finish
 from harness.chaos.faults import run_campaign
 from harness.chaos.fuzz import run_bad_input_campaign
 from harness.chaos.soak import FULL as SOAK_FULL
@@ -79,6 +79,7 @@ def main() -> None:
     bad_inputs = 1_200 if args.quick else 12_000
     soak_knobs = dict(SOAK_QUICK if args.quick else SOAK_FULL)
     out = args.out or Path(f"benchmarks/results/chaos{'_quick' if args.quick else ''}.json")
+    check_report_paths(parser, out, args.baseline)
 
     started = time.perf_counter()
     start_local(2, logging_level="WARNING")

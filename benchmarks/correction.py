@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from harness.benchreport import BASELINES, Target, finish
+from harness.benchreport import BASELINES, Target, check_report_paths, finish, positive_int
 
 BATCH, LENGTH, VOCAB, CHUNK = 16, 1024, 32_768, 1024
 
@@ -80,10 +80,11 @@ def run_variant(variant: str, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/correction.json"))
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=2)
     parser.add_argument("--baseline", type=Path, help="report to compare with (default: the stored baseline)")
     parser.add_argument("--worker", choices=["naive", "chunked"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    check_report_paths(parser, args.out, args.baseline)
     if args.worker:
         print(json.dumps(worker(args.worker, args.repeats)))
         return

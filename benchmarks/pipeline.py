@@ -35,7 +35,7 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
-from harness.benchreport import BASELINES, Target, finish
+from harness.benchreport import BASELINES, Target, check_report_paths, finish, positive_float, positive_int
 from streamrl.config import ConfigError, RunConfig, load_config
 from streamrl.runtime.connect import start_local
 from streamrl.runtime.launch import launch, prepare
@@ -43,6 +43,9 @@ from streamrl.runtime.rundir import RunDir
 
 LAUNCH = Path(__file__).resolve().parent.parent / "launch"
 CONFIGS = {"sim": LAUNCH / "sim.toml", "torch": LAUNCH / "long-tail.toml"}
+# What the benchmark sets for each run (Launcher.settings, schedule_overrides, pacing): not a user's --set
+BENCHMARK_SETS = {"run.name", "run.output_dir", "logging.progress", "run.eval_every", "run.checkpoint_every",
+                  "queue.max_staleness", "queue.admission", "run.steps", "run.time_limit_s"}
 UNBOUNDED = 10**6  # a staleness budget that never binds: generation or training alone
 TARGETS = {"sim": [Target("speedup_async_vs_sync", ">=", 7.0), Target("speedup_async_vs_one_step", ">=", 6.0),
                    Target("efficiency_async", ">=", 0.95)],
@@ -155,13 +158,21 @@ def measure(run_dir: RunDir, summary: dict[str, Any], warmup: int) -> dict[str, 
     }
 
 
-def run_schedules(launcher: Launcher, engine: str, eta: int, window_s: float, steps: int | None) -> dict[str, Any]:
-    results: dict[str, Any] = {}
+def schedule_runs(engine: str, eta: int, window_s: float, steps: int | None) -> list[tuple[str, list[str], int]]:
+    """(name, overrides, warm-up steps) of the three schedules' runs."""
+    runs = []
     for name in ("sync", "one_step", "async"):
         warmup, length = pacing(name, eta, window_s, steps if engine == "torch" else None)
+        runs.append((name, schedule_overrides(name, eta) + length, warmup))
+    return runs
+
+
+def run_schedules(launcher: Launcher, engine: str, eta: int, window_s: float, steps: int | None) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name, extra, warmup in schedule_runs(engine, eta, window_s, steps):
         results[name] = {"max_staleness": {"sync": 0, "one_step": 1}.get(name, eta),
                          "admission": "per_step" if name == "one_step" else "continuous",
-                         **launcher.run(name, schedule_overrides(name, eta) + length, warmup)}
+                         **launcher.run(name, extra, warmup)}
     if engine == "sim":
         results.update(sim_ideal(launcher, window_s))
     else:  # the trainer and the engines, each at the rate it kept while it computed
@@ -218,26 +229,34 @@ def print_schedules(results: dict[str, Any], console: Console, title: str) -> No
                   f"async efficiency {results['efficiency_async']:.2f}")
 
 
-def sweep(launcher: Launcher, etas: list[int], tails: list[float], producer_counts: list[int],
-          window_s: float) -> dict[str, Any]:
-    """Throughput against η for each schedule, per tail heaviness and producer count. The trainer's
-    speed stays calibrated to the base workload, so more producers means generation outruns it."""
+def sweep_runs(launcher: Launcher, etas: list[int], tails: list[float], producer_counts: list[int],
+               window_s: float) -> list[tuple[str, list[str], int, str, int]]:
+    """(name, overrides, warm-up steps, schedule, η) of every run of the sweep. The trainer's speed stays
+    calibrated to the base workload, so more producers means generation outruns it."""
     base = launcher.config("probe", [])
     train_s = base.sim_workload().calibrated_train_s_per_token()
     variants = [("sim.p99_ratio", t) for t in tails] + [("producers.count", n) for n in producer_counts
                                                         if n != base.producers.count]
-    points = []
+    runs = []
     for field, value in variants:
         for kind, admission in (("sync", "continuous"), ("one_step", "per_step"), ("async", "continuous")):
-            for eta in ([0] if kind == "sync" else [e for e in etas if e > 0]):
-                name = f"{field.split('.')[-1]}-{value}-{kind}-{eta}"
+            for eta in ([0] if kind == "sync" else etas):
                 warmup, length = pacing(kind, eta, window_s)
                 extra = [f"{field}={value}", f"sim.train_s_per_token={train_s}", f"queue.max_staleness={eta}",
                          f"queue.admission='{admission}'", *length]
-                r = launcher.run(name, extra, warmup)
-                config = launcher.config(name, extra)
-                points.append({"p99_ratio": config.sim.p99_ratio, "producers": config.producers.count,
-                               "schedule": kind, "max_staleness": eta, **r})
+                runs.append((f"{field.split('.')[-1]}-{value}-{kind}-{eta}", extra, warmup, kind, eta))
+    return runs
+
+
+def sweep(launcher: Launcher, runs: list[tuple[str, list[str], int, str, int]], etas: list[int], tails: list[float],
+          producer_counts: list[int]) -> dict[str, Any]:
+    """Throughput against η for each schedule, per tail heaviness and producer count (`sweep_runs`)."""
+    points = []
+    for name, extra, warmup, kind, eta in runs:
+        r = launcher.run(name, extra, warmup)
+        config = launcher.config(name, extra)
+        points.append({"p99_ratio": config.sim.p99_ratio, "producers": config.producers.count,
+                       "schedule": kind, "max_staleness": eta, **r})
     return {"points": points, "etas": etas, "tails": tails, "producer_counts": producer_counts}
 
 
@@ -274,15 +293,17 @@ def plot(sweep_results: dict[str, Any], base: RunConfig, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=["sim", "torch"], default="sim")
-    parser.add_argument("--eta", type=int, default=8, help="the async schedule's staleness budget")
-    parser.add_argument("--window-s", type=float, default=25.0, help="sim: measured seconds of the async schedule")
-    parser.add_argument("--steps", type=int, default=40, help="torch: measured steps per schedule, after warm-up")
+    parser.add_argument("--eta", type=positive_int, default=8, help="the async schedule's staleness budget")
+    parser.add_argument("--window-s", type=positive_float, default=25.0,
+                        help="sim: measured seconds of the async schedule")
+    parser.add_argument("--steps", type=positive_int, default=40,
+                        help="torch: measured steps per schedule, after warm-up")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="a `streamrl launch` config override (e.g. sim.p99_ratio=16, producers.count=3)")
     parser.add_argument("--sweep", action="store_true", help="sim: η × tail × producers sweep, with a PNG plot")
-    parser.add_argument("--sweep-etas", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--sweep-tails", type=float, nargs="+", default=[1, 8, 16])
-    parser.add_argument("--sweep-producers", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--sweep-etas", type=positive_int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--sweep-tails", type=positive_float, nargs="+", default=[1, 8, 16])
+    parser.add_argument("--sweep-producers", type=positive_int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--runs", type=Path, help="where the runs' directories go (default: beside --out)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--baseline", type=Path, help="report to compare with (default: the stored baseline)")
@@ -291,18 +312,27 @@ def main() -> None:
         parser.error("--sweep runs the sim engine")
     default = {"sim": "pipeline", "torch": "pipeline_torch"}[args.engine] + ("_sweep" if args.sweep else "")
     out = args.out or Path(f"benchmarks/results/{default}.json")
+    check_report_paths(parser, out, args.baseline)
+    for item in args.set:
+        key = item.partition("=")[0].strip()
+        if key in BENCHMARK_SETS:  # applied first, the benchmark's own would silently replace it
+            parser.error(f"--set {key}: the benchmark sets it for each run (--eta, --window-s, --steps, --runs)")
     root = (args.runs or out.parent / f"{out.stem}-runs").resolve() / time.strftime("%Y%m%d-%H%M%S")
     console = Console(width=160)  # the tables stay whole in logs and pipes
-    try:
+    launcher = Launcher(CONFIGS[args.engine], args.set, root, console)
+    try:  # every run's config, before the first starts: a bad one found later lost the runs before it
         load_config(CONFIGS[args.engine], args.set)
+        planned = (sweep_runs(launcher, args.sweep_etas, args.sweep_tails, args.sweep_producers, args.window_s / 2)
+                   if args.sweep else schedule_runs(args.engine, args.eta, args.window_s, args.steps))
+        for name, extra, *_ in planned:
+            launcher.config(name, extra)
     except ConfigError as exc:
         raise SystemExit(f"pipeline: {exc}") from exc
-    launcher = Launcher(CONFIGS[args.engine], args.set, root, console)
     started = time.time()
     try:
         start_local(None, namespace="streamrl", logging_level="WARNING", log_to_driver=False)
         if args.sweep:
-            results = sweep(launcher, args.sweep_etas, args.sweep_tails, args.sweep_producers, args.window_s / 2)
+            results = sweep(launcher, planned, args.sweep_etas, args.sweep_tails, args.sweep_producers)
         else:
             results = run_schedules(launcher, args.engine, args.eta, args.window_s, args.steps)
     except KeyboardInterrupt as exc:

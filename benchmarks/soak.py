@@ -19,7 +19,7 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
-from harness.benchreport import BASELINES, Target, finish
+from harness.benchreport import BASELINES, Target, check_report_paths, finish, positive_float, positive_int
 from harness.chaos.soak import FULL, QUICK, run_soak
 from streamrl.runtime.connect import start_local
 
@@ -68,9 +68,9 @@ def print_tables(results: dict, console: Console) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"a shorter soak: {QUICK}")
-    parser.add_argument("--producers", type=int)
-    parser.add_argument("--duration", type=float, help="seconds of load")
-    parser.add_argument("--weights-mb", type=float, default=4.0)
+    parser.add_argument("--producers", type=positive_int)
+    parser.add_argument("--duration", type=positive_float, help="seconds of load")
+    parser.add_argument("--weights-mb", type=positive_float, default=4.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -80,6 +80,7 @@ def main() -> None:
     if args.duration is not None:
         load["duration_s"] = args.duration
     out = args.out or Path(f"benchmarks/results/soak{'_quick' if args.quick else ''}.json")
+    check_report_paths(parser, out)
 
     # address="local": a Ray of its own even where a cluster is running (its figures are this run's).
     start_local(2, logging_level="WARNING", log_to_driver=False)

@@ -22,6 +22,7 @@ and against wall-clock in a PNG. The JSON's `headline` holds the issue's three r
 from __future__ import annotations
 
 import argparse
+import itertools
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +33,8 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
-from harness.benchreport import BASELINES, finish
+from harness.benchreport import BASELINES, check_report_paths, finish, positive_int
+from streamrl.config import ConfigError, load_config
 from streamrl.runtime.connect import start_local
 from streamrl.runtime.launch import launch, prepare
 
@@ -76,7 +78,12 @@ def eta_order(eta: str) -> tuple[int, int]:
 
 
 def parse_eta(text: str) -> int | str:
-    return "auto" if text == "auto" else int(text)
+    """An argparse type: "auto", or a staleness budget of 0 or more."""
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a staleness budget (a whole number >= 0, or auto)")
+    return int(text)
 
 
 def smoothed(rewards: list[float], window: int = 10) -> np.ndarray:
@@ -120,16 +127,22 @@ def data_losses(summary: dict[str, Any], metrics: list[dict[str, Any]]) -> dict[
             "aborted_groups": sum(p.get("aborted_groups", 0) for p in summary.get("producers", []))}
 
 
+def run_settings(root: str, eta: int | str, correction: str, seed: int, steps: int, minibatches: int, producers: int,
+                 overrides: list[str]) -> list[str]:
+    """The `--set` items of one run of the grid."""
+    return [f"run.steps={steps}", f"run.seed={seed}", "run.eval_every=0", "run.checkpoint_every=0",
+            "run.time_limit_s=null", f"run.output_dir='{root}'", f"run.name='eta{eta}-{correction}-seed{seed}'",
+            "logging.progress='none'",
+            f"queue.max_staleness={eta!r}" if eta == "auto" else f"queue.max_staleness={eta}",
+            f"loss.name='{correction}'", f"trainer.minibatches={minibatches}",
+            f"producers.count={producers}",
+            f"producers.num_cpus={1 / producers:.4f}", *overrides]
+
+
 def run_one(root: str, eta: int | str, correction: str, seed: int, steps: int, minibatches: int, producers: int,
             overrides: list[str], config_path: str | None = None) -> dict[str, Any]:
-    name = f"eta{eta}-{correction}-seed{seed}"
-    config, run_dir, _ = prepare(config_path, [
-        f"run.steps={steps}", f"run.seed={seed}", "run.eval_every=0", "run.checkpoint_every=0",
-        "run.time_limit_s=null", f"run.output_dir='{root}'", f"run.name='{name}'", "logging.progress='none'",
-        f"queue.max_staleness={eta!r}" if eta == "auto" else f"queue.max_staleness={eta}",
-        f"loss.name='{correction}'", f"trainer.minibatches={minibatches}",
-        f"producers.count={producers}",
-        f"producers.num_cpus={1 / producers:.4f}", *overrides])
+    config, run_dir, _ = prepare(config_path, run_settings(root, eta, correction, seed, steps, minibatches, producers,
+                                                           overrides))
     summary = launch(config, run_dir)
     metrics = run_dir.read("metrics.jsonl")
     staleness = [s for row in run_dir.read("groups.jsonl") for s in row["staleness"]]
@@ -352,9 +365,11 @@ def main() -> None:
     parser.add_argument("--etas", type=parse_eta, nargs="+", help='budgets η, "auto" among them')
     parser.add_argument("--corrections", nargs="+", choices=CORRECTIONS)
     parser.add_argument("--seeds", type=int, nargs="+")
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--minibatches", type=int, help="optimizer steps per consumed batch (trainer.minibatches)")
-    parser.add_argument("--producers", type=int, default=3, help="more producers than the trainer can keep up with")
+    parser.add_argument("--steps", type=positive_int)
+    parser.add_argument("--minibatches", type=positive_int,
+                        help="optimizer steps per consumed batch (trainer.minibatches)")
+    parser.add_argument("--producers", type=positive_int, default=3,
+                        help="more producers than the trainer can keep up with")
     parser.add_argument("--config", help="a run config (default: the built-in task), e.g. launch/long-tail.toml")
     parser.add_argument("--diagnose", type=int, default=0, metavar="N",
                         help="trainer.diagnose_every: gradient alignment and KL of the update every N steps "
@@ -368,6 +383,14 @@ def main() -> None:
         if getattr(args, key) is not None:
             grid[key] = getattr(args, key)
     out = args.out or Path(f"benchmarks/results/staleness{'_quick' if args.quick else ''}.json")
+    check_report_paths(parser, out)
+    overrides = [*args.set, f"trainer.diagnose_every={args.diagnose}"]
+    try:  # every run's config, before the first starts: a bad one found later lost the runs before it
+        for seed, eta, correction in itertools.product(grid["seeds"], grid["etas"], grid["corrections"]):
+            load_config(args.config, run_settings("runs", eta, correction, seed, grid["steps"], grid["minibatches"],
+                                                  args.producers, overrides))
+    except ConfigError as exc:
+        raise SystemExit(f"staleness: {exc}") from exc
 
     console = Console(width=150)
     started = time.time()
@@ -379,8 +402,7 @@ def main() -> None:
                 for eta in grid["etas"]:
                     for correction in grid["corrections"]:
                         run = run_one(root, eta, correction, seed, grid["steps"], grid["minibatches"],
-                                      args.producers, [*args.set, f"trainer.diagnose_every={args.diagnose}"],
-                                      args.config)
+                                      args.producers, overrides, args.config)
                         runs.append(run)
                         console.print(f"η={eta} {correction} seed {seed}: final reward {run['final_reward']:.3f}, "
                                       f"staleness {run['staleness_mean']:.2f} (max {run['staleness_max']}), "

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from harness.benchreport import check_report_paths, positive_int
 from harness.synthetic import synthetic_batch
 from streamrl.buffer import QueueConfig, ReplayQueue
 from streamrl.config import ModelSection, TrainerSection
@@ -51,9 +52,11 @@ def batch(seed: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=positive_int, default=30)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.out is not None:
+        check_report_paths(parser, args.out)
     quiet_transformers()
     torch.set_num_threads(1)  # as the trainer actor (trainer.threads)
     with tempfile.TemporaryDirectory() as tmp:

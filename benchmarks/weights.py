@@ -30,7 +30,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from harness.benchreport import BASELINES, Target, finish
+from harness.benchreport import BASELINES, Target, check_report_paths, finish, positive_float, positive_int
 from streamrl.engine.base import accept_offer
 from streamrl.engine.local_weights import LocalWeights
 from streamrl.runtime.actors import shared_weights_listener
@@ -154,15 +154,16 @@ def measure(nbytes: int, producers: int, repeats: int, double_buffer: bool) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/weights.json"))
-    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 256, 1024])
-    parser.add_argument("--producers", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--repeats", type=int, default=7,
+    parser.add_argument("--sizes-mb", type=positive_float, nargs="+", default=[1, 16, 256, 1024])
+    parser.add_argument("--producers", type=positive_int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--repeats", type=positive_int, default=7,
                         help="timed rounds per configuration, their median reported (with 3, the 1 MB ratio moved 2x "
                              "between runs)")
     parser.add_argument("--in-place", action="store_true",
                         help="producers copy new weights into the live model (default: double-buffered swap)")
     parser.add_argument("--baseline", type=Path, help="report to compare with (default: the stored baseline)")
     args = parser.parse_args()
+    check_report_paths(parser, args.out, args.baseline)
 
     start_local(2, namespace="streamrl", logging_level="WARNING")
     try:

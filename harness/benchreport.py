@@ -9,6 +9,7 @@ with the size of any miss, and ratios against a stored baseline (so a regression
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -22,6 +23,43 @@ from rich.table import Table
 from harness import CHECKOUT
 
 BASELINES = CHECKOUT / "benchmarks" / "results"
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a count of at least 1 (0 or less measured nothing, then failed on an empty list)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not at least 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0 (seconds, megabytes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number above 0")
+    return value
+
+
+def check_report_paths(parser: argparse.ArgumentParser, out: Path, baseline: Path | None = None) -> None:
+    """Refuse, before anything is measured, a report path that cannot be written and a named baseline that
+    cannot be read: found only at the end, either lost every result measured."""
+    if out.is_dir():
+        parser.error(f"--out {out} is a directory: name the JSON file to write")
+    parent = next((p for p in [out.parent, *out.parent.parents] if p.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
+        parser.error(f"--out {out}: {parent} cannot hold it (not a writable directory)")
+    if baseline is not None:
+        try:
+            json.loads(baseline.read_text())["results"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            parser.error(f"--baseline {baseline} is not a benchmark report ({type(exc).__name__}: {exc})")
 
 
 def machine() -> dict[str, Any]:

@@ -38,6 +38,23 @@ def test_a_benchmark_runs_through_the_cli_from_the_checkout(tmp_path, monkeypatc
     assert json.loads(out.read_text())["results"]
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["pipeline", "--eta", "0"], "argument --eta: 0 is not at least 1"),
+    (["pipeline", "--set", "queue.max_staleness=3"], "--set queue.max_staleness: the benchmark sets it"),
+    (["staleness", "--etas", "0", "-1"], "'-1' is not a staleness budget"),
+    (["staleness", "--quick", "--set", "trainer.lrr=1"], "staleness: invalid config: trainer.lrr"),
+    (["buffer", "--repeats", "0"], "argument --repeats: 0 is not at least 1"),
+    (["weights", "--out", "."], "--out . is a directory"),
+])
+def test_a_benchmark_refuses_bad_arguments_before_it_measures_anything(argv, message, capfd, monkeypatch):
+    """Outside review: each of these started Ray and failed later with a traceback; the staleness grid ran
+    its good runs first and then discarded them, and pipeline silently replaced a user's --set."""
+    monkeypatch.chdir(ROOT)
+    assert main(["bench", *argv]) != 0
+    err = capfd.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 def test_bad_verb_and_action_exit_nonzero(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["admission", "explode", "--run", "x"])

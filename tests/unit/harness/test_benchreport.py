@@ -33,3 +33,30 @@ def test_a_report_holds_results_targets_and_the_comparison(tmp_path):
     assert report["targets"]["rate"]["met"] is True
     assert report["vs_baseline"]["ratios"] == {"rate": 2.0}
     assert report["machine"]["cpus"] >= 1
+
+
+def test_counts_and_report_paths_are_refused_before_anything_is_measured(tmp_path, capsys):
+    """Outside review: a count of 0 failed at the end on an empty list, and an --out that was a directory or a
+    --baseline that was not JSON lost every result measured."""
+    import argparse
+
+    from harness.benchreport import check_report_paths, positive_float, positive_int
+
+    assert positive_int("3") == 3 and positive_float("0.5") == 0.5
+    for parse, text in ((positive_int, "0"), (positive_int, "-1"), (positive_int, "x"), (positive_float, "0"),
+                        (positive_float, "inf"), (positive_float, "nan")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)
+    parser = argparse.ArgumentParser(prog="bench")
+    check_report_paths(parser, tmp_path / "new" / "deeper" / "report.json")  # made at the end: fine
+    (tmp_path / "baseline.json").write_text(json.dumps({"results": {}}))
+    check_report_paths(parser, tmp_path / "report.json", tmp_path / "baseline.json")
+    (tmp_path / "file").write_text("")
+    (tmp_path / "not-json").write_text("oops")
+    for out, baseline, message in ((tmp_path, None, "is a directory"),
+                                   (tmp_path / "file" / "report.json", None, "cannot hold it"),
+                                   (tmp_path / "report.json", tmp_path / "missing.json", "not a benchmark report"),
+                                   (tmp_path / "report.json", tmp_path / "not-json", "not a benchmark report")):
+        with pytest.raises(SystemExit):
+            check_report_paths(parser, out, baseline)
+        assert message in capsys.readouterr().err
