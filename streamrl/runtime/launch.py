@@ -33,16 +33,19 @@ from streamrl import failpoints, logs
 from streamrl.buffer import OPERATOR_HOLD
 from streamrl.buffer.actor import NAMESPACE, create_queue_actor
 from streamrl.buffer.auto import AutoStaleness
+from streamrl.buffer.checkpoint import read_manifest
 from streamrl.config import ConfigError, RunConfig
 from streamrl.runtime.actors import NoBatchError, StepResult, TrainerActor
 from streamrl.runtime.clients import create_actor
 from streamrl.runtime.connect import RayConnectError, join_cluster, start_local
 from streamrl.runtime.interrupts import interrupts_deferred
 from streamrl.runtime.preflight import (
+    QUEUE_PART,
     Plan,
     check_checkpoint_settings,
     check_model_and_task,
     check_resume_overrides,
+    check_saved_staleness,
     frozen_settings,
     preflight,
     resolve_paths,
@@ -215,8 +218,14 @@ class Run:
         if cfg.logging.wandb:
             import wandb
 
-            self._wandb = wandb.init(project=cfg.logging.wandb_project, name=self.name, dir=str(self.run_dir.path),
-                                     mode=cfg.logging.wandb_mode, config=config_dict, resume="allow")
+            try:
+                self._wandb = wandb.init(project=cfg.logging.wandb_project, name=self.name,
+                                         dir=str(self.run_dir.path), mode=cfg.logging.wandb_mode,
+                                         config=config_dict, resume="allow")
+            except wandb.errors.Error as exc:  # e.g. online without a login: the user's setting, one line
+                raise ConfigError(f"logging.wandb_mode = {cfg.logging.wandb_mode!r}: wandb refused to start: "
+                                  f"{first_line(exc)} (log in with `wandb login` or WANDB_API_KEY, or use "
+                                  f"'offline')") from exc
 
     def _notify(self, text: str) -> None:
         if self._view is not None:
@@ -392,7 +401,7 @@ class Run:
         def write(tmp: Path) -> None:
             ray.get(self.trainer.checkpoint.remote(str(tmp / "trainer")))
             failpoints.hit("checkpoint.write")  # half written: the trainer's part is there, the queue's is not
-            ray.get(self.queue.checkpoint.remote(str(tmp / "queue")))
+            ray.get(self.queue.checkpoint.remote(str(tmp / QUEUE_PART)))
 
         meta = {"step": self.step, "version": self.step, "elapsed_s": self._elapsed(started),
                 "trained_tokens": self.trained_tokens, "written_at": time.time(),
@@ -480,6 +489,7 @@ def prepare(config_path: str | None = None, overrides: list[str] | None = None, 
                 run_dir.read(name)
             meta = json.loads((checkpoint / "meta.json").read_text())
             check_checkpoint_settings(meta.get("frozen", {}), config, checkpoint.name)  # none before 2026-12-07
+            check_saved_staleness(read_manifest(checkpoint / QUEUE_PART).get("max_staleness"), config, checkpoint.name)
             step = meta["step"]
             if step >= config.run.steps:
                 raise ConfigError(f"the run is already at step {step} and run.steps = {config.run.steps}; "

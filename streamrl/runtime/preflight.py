@@ -22,6 +22,8 @@ from streamrl.buffer.config import QueueConfig
 from streamrl.config import ConfigError, RunConfig
 from streamrl.rollout.producer import COMMIT_THREADS
 
+QUEUE_PART = "queue"  # a checkpoint's queue: CHECKPOINT/queue/ (the trainer's in CHECKPOINT/trainer/)
+
 # Fields a resumed run may not change: they define the data already generated and the model trained
 # (run.seed draws each prompt id's prompt: changed, the prompts given back and the rest of the stream
 # would be other prompts, some already trained on).
@@ -55,6 +57,15 @@ def check_checkpoint_settings(recorded: dict[str, Any], config: RunConfig, check
         if field in now and now[field] != value:
             raise ConfigError(f"{field} is {now[field]!r} in the run's config.toml, but checkpoint {checkpoint} was "
                               f"written with {value!r} (edited by hand?); it cannot change when resuming")
+
+
+def check_saved_staleness(saved_eta: int | None, config: RunConfig, checkpoint: str) -> None:
+    """Under `queue.max_staleness = "auto"` the checkpoint's η must lie in [auto_min, auto_max]: the queue's
+    restore refuses it otherwise, once Ray and every actor have started, and blames the checkpoint."""
+    queue = config.queue
+    if queue.auto and saved_eta is not None and not queue.auto_min <= saved_eta <= queue.auto_max:
+        raise ConfigError(f"checkpoint {checkpoint}'s queue holds max_staleness {saved_eta}, outside queue.auto_min "
+                          f"/ queue.auto_max = [{queue.auto_min}, {queue.auto_max}]: widen them to include it")
 
 
 def check_resume_overrides(saved: RunConfig, wanted: RunConfig) -> None:
@@ -215,6 +226,6 @@ def preflight(config: RunConfig, cluster: Mapping[str, float], resume_from: Path
     return Plan(queue=config.queue.model_copy(update={"vocab_size": int(model_facts(config)["vocab_size"])}),
                 trainer_ranks=config.trainer.ranks, trainer_concurrency=3 + broadcasts, trainer_sends_weights=sends,
                 producer_concurrency=PRODUCER_CONCURRENCY, ready_timeout_s=READY_TIMEOUT_S + startup,
-                queue_restore=str(resume_from / "queue") if resume_from else None,
+                queue_restore=str(resume_from / QUEUE_PART) if resume_from else None,
                 trainer_resume=str(resume_from / "trainer") if resume_from else None,
                 trainer_model=str(resume_from / "trainer" / "model") if resume_from else None)

@@ -54,6 +54,19 @@ def test_a_launch_writes_the_run_directory(finished):
     assert list((run_dir.path / "wandb").glob("offline-run-*"))  # wandb logged offline, no account needed
 
 
+def test_a_resume_whose_auto_range_excludes_the_checkpoints_budget_is_refused_before_anything_starts(finished):
+    """Outside review: the queue actor refused it once Ray and every actor had started, blaming the checkpoint."""
+    _, run_dir = finished  # η = 2 at its checkpoint
+    before = sorted((p.relative_to(run_dir.path), p.stat().st_mtime_ns) for p in run_dir.path.rglob("*"))
+    with pytest.raises(ConfigError, match=r"checkpoint step_000008's queue holds max_staleness 2, outside "
+                                          r"queue.auto_min / queue.auto_max = \[0, 1\]: widen them"):
+        prepare(None, ["queue.max_staleness='auto'", "queue.auto_max=1", "run.steps=10"], resume=str(run_dir.path))
+    assert sorted((p.relative_to(run_dir.path), p.stat().st_mtime_ns) for p in run_dir.path.rglob("*")) == before
+    config, opened, _ = prepare(None, ["queue.max_staleness='auto'", "queue.auto_max=3", "run.steps=10"],
+                                resume=str(run_dir.path))  # a range holding it is accepted
+    opened.release()
+
+
 def test_every_actor_writes_its_own_log(finished):
     _, run_dir = finished
     logs = run_dir.path / "logs"
@@ -404,6 +417,17 @@ def test_ctrl_c_stops_cleanly_with_a_checkpoint(ray_local, tmp_path):
     for role in ("queue", "trainer", "producer-0"):
         with pytest.raises(ValueError):
             ray.get_actor(f"interrupted/{role}", namespace="streamrl")
+
+
+def test_wandb_online_without_a_login_is_refused_naming_the_setting_and_leaves_nothing(ray_local, tmp_path,
+                                                                                      monkeypatch):
+    """Outside review: wandb's UsageError reached the user as a 30-line traceback (exit status 1)."""
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc holding a wandb key
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    config, run_dir, _ = prepare(None, tiny(tmp_path, "online", "logging.wandb=true", "logging.wandb_mode='online'"))
+    with pytest.raises(ConfigError, match=r"logging.wandb_mode = 'online': wandb refused to start: UsageError: No API"):
+        launch(config, run_dir)
+    assert not run_dir.path.exists()  # nothing ran: the same command can run again once logged in
 
 
 @pytest.mark.parametrize("argv, message", [
