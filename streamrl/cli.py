@@ -122,27 +122,32 @@ def admission(args: argparse.Namespace) -> int:
     from streamrl.buffer.queue import OPERATOR_HOLD
 
     queue = _queue_of(args.run, args.address)
+    was_held = None
     try:
         # The operator's hold only: a pause the launcher holds while it shuts down is not the operator's to lift.
         if args.action == "pause":
             was_held = ray.get(queue.pause.remote(OPERATOR_HOLD))
-            print(f"{args.run}: admission paused" + (" (it already was, by the operator)" if was_held else ""))
         elif args.action == "resume":
             was_held = ray.get(queue.resume.remote(OPERATOR_HOLD))
-            print(f"{args.run}: " + ("admission resumed by the operator" if was_held
-                                     else "the operator had not paused admission: nothing to resume"))
         status = ray.get(queue.status.remote())
     except RayActorError:  # the run ended between finding its queue and asking it
         raise CliError(f"run {args.run!r} has ended: its queue actor is gone") from None
-    if args.action == "resume" and status["holds"]:
-        print(f"{args.run}: admission stays paused while held by: {', '.join(status['holds'])}")
-    if args.action == "status":
-        if args.json:
-            print(json.dumps(status))
-        else:
-            width = max(map(len, status))
-            for key, value in status.items():
-                print(f"{key:<{width}}  {value}")
+    if args.json:  # one object whatever the action: what it found, and the status after it
+        done = {} if was_held is None else {"operator_hold_was_set": was_held}
+        print(json.dumps({"run": args.run, "action": args.action, **done, "status": status}
+                         if args.action != "status" else status))
+        return 0
+    if args.action == "pause":
+        print(f"{args.run}: admission paused" + (" (it already was, by the operator)" if was_held else ""))
+    elif args.action == "resume":
+        print(f"{args.run}: " + ("admission resumed by the operator" if was_held
+                                 else "the operator had not paused admission: nothing to resume"))
+        if status["holds"]:
+            print(f"{args.run}: admission stays paused while held by: {', '.join(status['holds'])}")
+    else:
+        width = max(map(len, status))
+        for key, value in status.items():
+            print(f"{key:<{width}}  {value}")
     return 0
 
 
@@ -263,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     adm.add_argument("action", choices=["pause", "resume", "status"])
     adm.add_argument("--run", required=True, help="the run's name")
     adm.add_argument("--address", help="Ray cluster address (default: the local cluster)")
-    adm.add_argument("--json", action="store_true", help="status as one JSON object")
+    adm.add_argument("--json", action="store_true",
+                     help="one JSON object: the status, or for pause and resume what they found and the status after")
     adm.set_defaults(func=admission)
 
     b = verbs.add_parser("bench", help="list or run the benchmarks in benchmarks/")

@@ -94,6 +94,12 @@ def test_admission_pause_resume_status_against_a_named_queue(ray_local, capsys):
         assert main(["admission", "resume", "--run", "cli-run"]) == 0
         assert "the operator had not paused admission" in capsys.readouterr().out
         assert len(ray.get(queue.admit.remote(0, 1)).tickets) == 1
+        # --json for pause and resume too (it was ignored): what the action found and the status after it
+        for action, was_set, paused in (("pause", False, True), ("pause", True, True), ("resume", True, False)):
+            assert main(["admission", action, "--run", "cli-run", "--json"]) == 0
+            answer = json.loads(capsys.readouterr().out)
+            assert answer["action"] == action and answer["operator_hold_was_set"] is was_set
+            assert answer["run"] == "cli-run" and answer["status"]["paused"] is paused
         assert main(["admission", "status", "--run", "no-such-run"]) == 2
         assert "no running streamrl run named 'no-such-run'" in capsys.readouterr().err
     finally:
