@@ -319,6 +319,13 @@ class RaySection(_Section):
             raise ValueError(problem)
         return address
 
+    @model_validator(mode="after")
+    def _cpus_of_a_local_instance_only(self) -> RaySection:
+        if self.address is not None and self.num_cpus is not None:  # a cluster has its own: it was ignored
+            raise ValueError(f"ray.num_cpus = {self.num_cpus} sizes a local Ray instance; with ray.address = "
+                             f"{self.address!r} the cluster's own CPUs count (set them with `ray start --num-cpus`)")
+        return self
+
 
 # A run's queue where its config says nothing; a `[queue]` table that sets some fields keeps these for the
 # rest (it fell back to QueueConfig's own defaults, and setting any one field moved η from 2 to 1).
