@@ -158,8 +158,9 @@ class TaskSection(_Section):
 
 
 class SamplingSection(_Section):
-    temperature: float = Field(1.0, gt=0)
-    """The trainer divides its logits by the same temperature, so behaviour and trainer log-probs agree."""
+    temperature: float = Field(1.0, ge=1e-3)
+    """The trainer divides its logits by the same temperature, so behaviour and trainer log-probs agree. At
+    least 0.001: far below it the scaled logits overflow (1e-40 gave NaN log-probs) and sampling is greedy anyway."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling; must stay 1 for now. The trainer's log-probs are the full softmax's, so below 1 an
     on-policy token's ratio is the nucleus's kept mass (0.74 on average at 0.7), not 1: the masked and

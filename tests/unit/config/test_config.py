@@ -83,6 +83,7 @@ SIM = ["producers.engine=sim", "trainer.backend=sim", "task.kind=sim"]
     (['ray.address="127.0.0.1:99999"'], r"ray\.address: .*its port '99999' is not a number"),
     (['ray.address=""'], r"ray\.address: .*not a Ray cluster address: ''"),
     (["ray.address='auto'", "ray.num_cpus=2"], r"ray\.num_cpus = 2 sizes a local Ray instance; with ray\.address"),
+    (["sampling.temperature=1e-40"], r"sampling\.temperature: Input should be greater than or equal to 0\.001"),
     (["producers.weight_poll_s=1e10"], r"producers\.weight_poll_s: Input should be less than or equal to 31536000"),
     (["queue.ticket_timeout_s=1e10"], r"queue\.ticket_timeout_s: Input should be less than or equal to 31536000"),
 ])
