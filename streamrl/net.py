@@ -29,6 +29,8 @@ def cluster_address_problem(address: str) -> str | None:
     host, sep, port = host_port.rpartition(":")
     if not sep or not host or "/" in host_port or "://" in host_port:
         return f"not a Ray cluster address: {address!r} (expected HOST:PORT, ray://HOST:PORT or auto)"
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):  # Ray's parser needs the brackets
+        return f"not a Ray cluster address: {address!r} (an IPv6 host goes in brackets: [{host}]:{port})"
     if not (port.isdigit() and 1 <= int(port) <= 65535):
         return f"not a Ray cluster address: {address!r} (its port {port!r} is not a number from 1 to 65535)"
     return None

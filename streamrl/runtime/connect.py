@@ -74,7 +74,10 @@ def start_local(num_cpus: int | None = None, **init_kwargs: Any) -> None:
 
 
 def join_cluster(address: str, **init_kwargs: Any) -> None:
-    """Join the running cluster at `address` (HOST:PORT, or `auto`: the one started on this machine)."""
+    """Join the running cluster at `address` (HOST:PORT, ray://HOST:PORT, or `auto`: RAY_ADDRESS, else the
+    one started on this machine)."""
+    if address == "auto":
+        address = _resolve(address)  # RAY_ADDRESS may name a Ray Client server (ray://)
     if address.startswith("ray://"):  # Ray Client: its server on the head node does the connecting
         problem = cluster_address_problem(address)
         if problem is not None:

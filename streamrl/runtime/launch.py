@@ -33,7 +33,6 @@ from streamrl import failpoints, logs
 from streamrl.buffer import OPERATOR_HOLD
 from streamrl.buffer.actor import NAMESPACE, create_queue_actor
 from streamrl.buffer.auto import AutoStaleness
-from streamrl.buffer.checkpoint import read_manifest
 from streamrl.config import ConfigError, RunConfig
 from streamrl.runtime.actors import NoBatchError, StepResult, TrainerActor
 from streamrl.runtime.clients import create_actor
@@ -222,7 +221,7 @@ class Run:
                 self._wandb = wandb.init(project=cfg.logging.wandb_project, name=self.name,
                                          dir=str(self.run_dir.path), mode=cfg.logging.wandb_mode,
                                          config=config_dict, resume="allow")
-            except wandb.errors.Error as exc:  # e.g. online without a login: the user's setting, one line
+            except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as exc:  # online, no login
                 raise ConfigError(f"logging.wandb_mode = {cfg.logging.wandb_mode!r}: wandb refused to start: "
                                   f"{first_line(exc)} (log in with `wandb login` or WANDB_API_KEY, or use "
                                   f"'offline')") from exc
@@ -480,7 +479,11 @@ def prepare(config_path: str | None = None, overrides: list[str] | None = None, 
         run_dir = RunDir.open(resume)
         run_dir.hold()  # held until `launch` returns: no other launcher resumes it meanwhile
         try:
-            saved = run_dir.config()
+            try:
+                saved = run_dir.config()
+            except ConfigError as exc:  # written by an earlier streamrl, whose checks were looser
+                raise ConfigError(f"{run_dir.config_file} no longer passes this version's checks: {exc}. Mend that "
+                                  "field in the file (frozen fields cannot change) and resume again") from exc
             config = run_dir.config(overrides)
             check_resume_overrides(saved, config)
             check_model_and_task(config)
@@ -489,7 +492,7 @@ def prepare(config_path: str | None = None, overrides: list[str] | None = None, 
                 run_dir.read(name)
             meta = json.loads((checkpoint / "meta.json").read_text())
             check_checkpoint_settings(meta.get("frozen", {}), config, checkpoint.name)  # none before 2026-12-07
-            check_saved_staleness(read_manifest(checkpoint / QUEUE_PART).get("max_staleness"), config, checkpoint.name)
+            check_saved_staleness(checkpoint, config)
             step = meta["step"]
             if step >= config.run.steps:
                 raise ConfigError(f"the run is already at step {step} and run.steps = {config.run.steps}; "

@@ -12,15 +12,18 @@ command can be fixed and run again.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from streamrl.buffer.checkpoint import MANIFEST
 from streamrl.buffer.config import QueueConfig
 from streamrl.config import ConfigError, RunConfig
 from streamrl.rollout.producer import COMMIT_THREADS
+from streamrl.runtime.rundir import RunDirError
 
 QUEUE_PART = "queue"  # a checkpoint's queue: CHECKPOINT/queue/ (the trainer's in CHECKPOINT/trainer/)
 
@@ -59,13 +62,21 @@ def check_checkpoint_settings(recorded: dict[str, Any], config: RunConfig, check
                               f"written with {value!r} (edited by hand?); it cannot change when resuming")
 
 
-def check_saved_staleness(saved_eta: int | None, config: RunConfig, checkpoint: str) -> None:
+def check_saved_staleness(checkpoint: Path, config: RunConfig) -> None:
     """Under `queue.max_staleness = "auto"` the checkpoint's η must lie in [auto_min, auto_max]: the queue's
     restore refuses it otherwise, once Ray and every actor have started, and blames the checkpoint."""
     queue = config.queue
-    if queue.auto and saved_eta is not None and not queue.auto_min <= saved_eta <= queue.auto_max:
-        raise ConfigError(f"checkpoint {checkpoint}'s queue holds max_staleness {saved_eta}, outside queue.auto_min "
-                          f"/ queue.auto_max = [{queue.auto_min}, {queue.auto_max}]: widen them to include it")
+    manifest = checkpoint / QUEUE_PART / MANIFEST
+    if not queue.auto or not manifest.is_file():  # none: the queue's restore names what is missing
+        return
+    try:  # its one field: the checkpoint's files were verified just before (`verified_checkpoint`)
+        saved_eta = json.loads(manifest.read_text()).get("max_staleness")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise RunDirError(f"{manifest}: unreadable ({exc})") from exc
+    if saved_eta is not None and not queue.auto_min <= saved_eta <= queue.auto_max:
+        raise ConfigError(f"checkpoint {checkpoint.name}'s queue holds max_staleness {saved_eta}, outside "
+                          f"queue.auto_min / queue.auto_max = [{queue.auto_min}, {queue.auto_max}]: widen them "
+                          "to include it")
 
 
 def check_resume_overrides(saved: RunConfig, wanted: RunConfig) -> None:

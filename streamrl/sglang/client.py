@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+ABORT_TIMEOUT_S = 30.0  # an abort a server does not answer in this long is given up: the request ends anyway
+
 
 class SglangError(RuntimeError):
     """The server answered, with an error (or, `EngineTimeout`, did not answer in time)."""
@@ -110,23 +112,27 @@ class SglangClient:
 
     async def abort_async(self, rid: str) -> None:
         """`abort(rid)` as a coroutine: a cancelled sample's request ends on the server without a thread."""
-        await self._call_async("/abort_request", {"rid": rid, "abort_all": False})
+        await self._call_async("/abort_request", {"rid": rid, "abort_all": False}, timeout_s=ABORT_TIMEOUT_S)
 
-    async def _call_async(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+    async def _call_async(self, path: str, payload: dict[str, Any], timeout_s: float | None = None
+                          ) -> dict[str, Any]:
         import aiohttp  # here: the blocking calls (and the GPU smoke test's machine) need no aiohttp
+
+        timeout = timeout_s or self.timeout_s
 
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                                   timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         try:
             async with self._session.post(f"http://{self.host}:{self.port}{path}", json=payload,
-                                          headers=self._headers()) as response:
+                                          headers=self._headers(),
+                                          timeout=aiohttp.ClientTimeout(total=timeout)) as response:
                 status, data = response.status, await response.read()
         except aiohttp.ConnectionTimeoutError as exc:  # a TimeoutError too, but it never connected
             raise EngineUnreachable(f"sglang server {self.url}{path}: {exc!r}") from exc
         except TimeoutError as exc:
-            raise EngineTimeout(f"sglang server {self.url}{path}: no answer within {self.timeout_s:g} s") from exc
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
+            raise EngineTimeout(f"sglang server {self.url}{path}: no answer within {timeout:g} s") from exc
+        except (aiohttp.ClientError, OSError) as exc:  # refused, broken, or not HTTP (as `call`'s HTTPException)
             raise EngineUnreachable(f"sglang server {self.url}{path}: {exc!r}") from exc
         return self._answer(path, status, data)
 

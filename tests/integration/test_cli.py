@@ -72,6 +72,19 @@ def test_admission_refuses_a_malformed_cluster_address_in_one_line(address, caps
     assert err.startswith(f"streamrl: error: not a Ray cluster address: {address!r}") and err.count("\n") == 1
 
 
+def test_auto_naming_a_ray_client_server_joins_it_through_ray_client(monkeypatch):
+    """RAY_ADDRESS=ray://… resolved from `auto` was taken for a GCS address (probed, and refused)."""
+    import ray
+
+    from streamrl.runtime import connect
+
+    joined = []
+    monkeypatch.setenv("RAY_ADDRESS", "ray://127.0.0.1:10001")
+    monkeypatch.setattr(ray, "init", lambda address, **kwargs: joined.append(address))
+    connect.join_cluster("auto")
+    assert joined == ["ray://127.0.0.1:10001"]
+
+
 @pytest.mark.ray
 def test_admission_pause_resume_status_against_a_named_queue(ray_local, capsys):
     queue = create_queue_actor("cli-run", QueueConfig(group_size=1, groups_per_step=1))

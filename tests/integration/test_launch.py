@@ -67,6 +67,21 @@ def test_a_resume_whose_auto_range_excludes_the_checkpoints_budget_is_refused_be
     opened.release()
 
 
+def test_a_run_whose_saved_config_this_version_refuses_is_told_which_file_to_mend(finished, tmp_path):
+    """A config.toml written before a check was added (here the temperature's lower bound) is refused in one
+    line naming the file, not as if the user's --set were wrong."""
+    import shutil
+
+    _, run_dir = finished
+    copy = tmp_path / "older"
+    shutil.copytree(run_dir.path, copy)
+    config_file = copy / "config.toml"
+    config_file.write_text(config_file.read_text().replace("temperature = 1.0", "temperature = 1e-05"))
+    with pytest.raises(ConfigError, match=r"config\.toml no longer passes this version's checks: .*sampling\."
+                                          r"temperature.*Mend that field in the file"):
+        prepare(None, ["run.steps=10"], resume=str(copy))
+
+
 def test_every_actor_writes_its_own_log(finished):
     _, run_dir = finished
     logs = run_dir.path / "logs"

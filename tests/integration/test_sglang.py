@@ -799,6 +799,44 @@ def test_the_client_tells_a_server_that_is_not_there_from_one_that_does_not_answ
         asyncio.run(_generate_once(client))
 
 
+def test_an_answer_that_is_not_http_is_unreachable_for_the_blocking_and_the_async_client():
+    """aiohttp's own errors (here ClientResponseError) escaped the async path: a producer error, and an
+    abort task's exception never retrieved, where the blocking client said EngineUnreachable."""
+    import asyncio
+    import socket
+
+    from streamrl.sglang.client import EngineUnreachable
+
+    with socket.socket() as garbled:
+        garbled.bind(("127.0.0.1", 0))
+        garbled.listen(8)
+
+        def answer_garbage():
+            for _ in range(3):
+                connection, _ = garbled.accept()
+                with connection:
+                    connection.recv(65536)
+                    connection.sendall(b"garbage, not http\r\n\r\n")
+
+        server = threading.Thread(target=answer_garbage, daemon=True)
+        server.start()
+        client = SglangClient(f"http://127.0.0.1:{garbled.getsockname()[1]}", timeout_s=5)
+        with pytest.raises(EngineUnreachable):
+            client.abort("0" * 32)
+        with pytest.raises(EngineUnreachable):
+            asyncio.run(_generate_once(client))
+        with pytest.raises(EngineUnreachable):
+            asyncio.run(_abort_once(client))
+        server.join(5)
+
+
+async def _abort_once(client: SglangClient):
+    try:
+        return await client.abort_async("0" * 32)
+    finally:
+        await client.close_async()
+
+
 async def _generate_once(client: SglangClient):
     try:
         return await client.generate_async([1], max_new_tokens=1)

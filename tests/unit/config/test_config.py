@@ -82,6 +82,7 @@ SIM = ["producers.engine=sim", "trainer.backend=sim", "task.kind=sim"]
     (['ray.address="127.0.0.1:notaport"'], r"ray\.address: .*its port 'notaport' is not a number from 1 to 65535"),
     (['ray.address="127.0.0.1:99999"'], r"ray\.address: .*its port '99999' is not a number"),
     (['ray.address=""'], r"ray\.address: .*not a Ray cluster address: ''"),
+    (["ray.address='::1:6379'"], r"ray\.address: .*an IPv6 host goes in brackets: \[::1\]:6379"),
     (["ray.address='auto'", "ray.num_cpus=2"], r"ray\.num_cpus = 2 sizes a local Ray instance; with ray\.address"),
     (["sampling.temperature=1e-40"], r"sampling\.temperature: Input should be greater than or equal to 0\.001"),
     (["producers.weight_poll_s=1e10"], r"producers\.weight_poll_s: Input should be less than or equal to 31536000"),
