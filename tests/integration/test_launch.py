@@ -167,17 +167,19 @@ def test_the_megatron_trainer_runs_a_launch_and_resumes_from_its_own_checkpoint(
 
 @pytest.mark.parametrize("weights", ["disk", "distributed", "tensor"])
 def test_sglang_producers_run_a_launch_through_stand_in_servers(ray_local, tmp_path, weights):
-    # sglang's pause re-checks once a second (tested on its own in test_sglang.py); a 4-step run needs faster
-    # updates to load 3 versions into each of two servers in turn
+    # sglang's pause re-checks once a second (tested on its own in test_sglang.py); a 6-step run needs faster
+    # updates to load 3 versions into each of two servers in turn. (With 4 steps, broadcast loaded only 2 in
+    # about one run of four, before this stop's changes too: a producer whose load falls behind loads the
+    # newest version next, skipping the ones between.)
     fake, log = str(FAKE_SGLANG), tmp_path / "calls.log"
     launcher = json.dumps([sys.executable, fake, "--token-delay-s", "0.001", "--update-delay-s", "0.01", "--pause-poll-s", "0.05",
                            "--calls-log", str(log)])
-    summary, run_dir = run_tiny(tmp_path, "sgl", "run.steps=4", "producers.engine=sglang", "producers.count=1",
+    summary, run_dir = run_tiny(tmp_path, "sgl", "run.steps=6", "producers.engine=sglang", "producers.count=1",
                                 f"producers.sglang.launcher={launcher}", "producers.sglang.servers=2",
                                 "producers.sglang.base_port=31700", "queue.max_staleness=1",
                                 f"producers.sglang.weights={weights}")
     metrics = run_dir.read("metrics.jsonl")
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4] and all(m["staleness_max"] <= 1 for m in metrics)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6] and all(m["staleness_max"] <= 1 for m in metrics)
     (producer,) = summary["producers"]
     assert producer["weight_updates"] >= 3 and producer["groups"] >= 16
     # one producer: the "held different versions" figures say there was nothing to compare, not 0
