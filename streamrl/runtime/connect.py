@@ -76,18 +76,14 @@ def start_local(num_cpus: int | None = None, **init_kwargs: Any) -> None:
 def join_cluster(address: str, **init_kwargs: Any) -> None:
     """Join the running cluster at `address` (HOST:PORT, ray://HOST:PORT, or `auto`: RAY_ADDRESS, else the
     one started on this machine)."""
-    if address == "auto":
-        address = _resolve(address)  # RAY_ADDRESS may name a Ray Client server (ray://)
-    if address.startswith("ray://"):  # Ray Client: its server on the head node does the connecting
-        problem = cluster_address_problem(address)
-        if problem is not None:
-            raise RayConnectError(problem)
+    resolved = _resolve(address)  # checked; `auto`'s RAY_ADDRESS may name a Ray Client server (ray://)
+    if resolved.startswith("ray://"):  # Ray Client: its server on the head node does the connecting
         try:
-            ray.init(address=address, **init_kwargs)
+            ray.init(address=resolved, **init_kwargs)
         except ConnectionError as exc:
-            raise RayConnectError(f"cannot connect to the Ray client server at {address}: {exc}") from exc
+            raise RayConnectError(f"cannot connect to the Ray client server at {resolved}: {exc}") from exc
         return
-    gcs_address = _resolve(address)
+    gcs_address = resolved
     host = gcs_address.rsplit(":", 1)[0]
     with _node_on_loopback() if is_loopback(host) else nullcontext():
         _check_token(gcs_address)
@@ -111,7 +107,8 @@ def local_cluster_addresses() -> list[str]:
 
 
 def _resolve(address: str) -> str:
-    """HOST:PORT of the cluster's GCS; `auto` is RAY_ADDRESS, else the cluster `ray start` ran here."""
+    """`address` checked, `auto` resolved: RAY_ADDRESS (HOST:PORT or ray://HOST:PORT), else the GCS of the
+    cluster `ray start` ran here."""
     from ray._private.services import get_ray_address_from_environment
 
     resolved = address
