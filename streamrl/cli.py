@@ -26,8 +26,12 @@ class CliError(Exception):
 def _connect(address: str | None) -> None:
     import ray
 
+    from streamrl.net import cluster_address_problem
     from streamrl.runtime.connect import RayConnectError, join_cluster
 
+    problem = None if address is None else cluster_address_problem(address)
+    if problem is not None:  # refused even where this process already has Ray (the tests, a notebook)
+        raise CliError(problem)
     if ray.is_initialized():
         return
     try:
