@@ -97,6 +97,9 @@ def launch(args: argparse.Namespace) -> int:
         config, run_dir, checkpoint = prepare(args.config, overrides, resume=args.resume)
     except (ConfigError, RunDirError) as exc:
         raise CliError(str(exc)) from exc
+    except KeyboardInterrupt:  # while the config or the checkpoint to resume was being checked
+        print("streamrl: interrupted before the run started; nothing was trained or changed", file=sys.stderr)
+        return 130
     try:
         summary = run_launch(config, run_dir, checkpoint, sigterm_stops=True)
     except (ConfigError, RunDirError) as exc:  # found once Ray is up (e.g. too few CPUs)

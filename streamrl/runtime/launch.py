@@ -493,6 +493,7 @@ def prepare(config_path: str | None = None, overrides: list[str] | None = None, 
             meta = json.loads((checkpoint / "meta.json").read_text())
             check_checkpoint_settings(meta.get("frozen", {}), config, checkpoint.name)  # none before 2026-12-07
             check_saved_staleness(checkpoint, config)
+            failpoints.hit("launch.resume_checked")
             step = meta["step"]
             if step >= config.run.steps:
                 raise ConfigError(f"the run is already at step {step} and run.steps = {config.run.steps}; "
@@ -510,7 +511,12 @@ def prepare(config_path: str | None = None, overrides: list[str] | None = None, 
         named = config.run.model_copy(update={"name": f"{config.task.kind}-{stamp}"})
         config = config.model_copy(update={"run": named})
     run_dir = RunDir.create(Path(config.run.output_dir) / config.run.name, config)
-    run_dir.hold()
+    try:
+        failpoints.hit("launch.run_dir_made")
+        run_dir.hold()
+    except BaseException:  # Ctrl-C: the directory just made holds nothing yet
+        run_dir.discard_unstarted()
+        raise
     return config, run_dir, None
 
 

@@ -46,6 +46,7 @@ class RunDir:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._holding = False
+        self._made_from: Path | None = None  # the outermost folder `create` made, the run's own or a parent
 
     # ---- one launcher per run ------------------------------------------------------------------------
     def hold(self) -> None:
@@ -103,12 +104,20 @@ class RunDir:
         if run.path.exists():
             raise RunDirError(f"run directory {str(run.path)!r} already exists: pick another run.name, "
                               f"or continue it with --resume {run.path}")
+        made_from = run.path.absolute()
+        while not made_from.parent.exists():
+            made_from = made_from.parent
         try:
             run.path.mkdir(parents=True)
         except OSError as exc:  # a parent that is a file, not writable, or cannot be made (e.g. under /proc)
             raise RunDirError(f"cannot create the run directory {str(run.path)!r} (run.output_dir / run.name): "
                               f"{exc.strerror or exc}") from exc
-        run.save_config(config)
+        run._made_from = made_from
+        try:
+            run.save_config(config)
+        except BaseException:  # a full disk, or Ctrl-C: no half-made run directory is left behind
+            run.discard_unstarted()
+            raise
         return run
 
     def save_config(self, config: RunConfig) -> None:
@@ -131,11 +140,21 @@ class RunDir:
         return run
 
     def discard_unstarted(self) -> None:
-        """Remove a run directory that never trained (no metrics, no checkpoint)."""
+        """Remove a run directory that never trained (no metrics, no checkpoint), and the parent folders
+        `create` made for it while they stay empty."""
         if (self.path / METRICS_FILE).exists() or self.checkpoints.exists():
             raise RunDirError(f"{str(self.path)!r} holds a run's results; it is not removed")
         self.release()
         shutil.rmtree(self.path)
+        if self._made_from is None:
+            return
+        folder = self.path.absolute().parent
+        while self._made_from in folder.parents or folder == self._made_from:
+            try:
+                folder.rmdir()
+            except OSError:  # another run's directory appeared in it meanwhile: it stays
+                return
+            folder = folder.parent
 
     def config(self, overrides: list[str] | None = None) -> RunConfig:
         return load_config(self.config_file, overrides)

@@ -129,22 +129,49 @@ def test_a_producer_that_raises_stops_the_run_with_a_checkpoint_that_resumes(ray
     assert_nothing_lost_or_repeated(run_dir, steps + 2)
 
 
-def ctrl_c_at(point: str, spec: str, tmp_path, name: str, *extra: str) -> tuple[int, str, RunDir]:
+def interrupted_at(point: str, spec: str, tmp_path, sets: list[str], resume=None) -> tuple[int, str]:
     """`streamrl launch` from a terminal with fail points `spec`, and a Ctrl-C once `point` fires (a
-    `sleep` there holds the phase open for it): its exit status, output and run directory."""
+    `sleep` there holds the phase open for it): its exit status and output."""
     directory = tmp_path / "failpoints"
     directory.mkdir()
-    proc = launch_subprocess(tiny(tmp_path, name, *extra), address=ray.get_runtime_context().gcs_address,
+    proc = launch_subprocess(sets, address=ray.get_runtime_context().gcs_address, resume=resume,
                              env={failpoints.ENV_SPEC: spec, failpoints.ENV_DIR: str(directory)})
     deadline = time.monotonic() + 180
     while point not in failpoints.fired(directory):
         if proc.poll() is not None or time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"{point} never fired: {proc.communicate()[0][-2000:]}")
+            pytest.fail(f"{point} never fired: {proc.communicate(timeout=60)[0][-2000:]}")
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)
     output = proc.communicate(timeout=120)[0]
-    return proc.returncode, output, RunDir.open(tmp_path / name)
+    return proc.returncode, output
+
+
+def ctrl_c_at(point: str, spec: str, tmp_path, name: str, *extra: str) -> tuple[int, str, RunDir]:
+    """`interrupted_at` on a fresh tiny run: its exit status, output and run directory."""
+    status, output = interrupted_at(point, spec, tmp_path, tiny(tmp_path, name, *extra))
+    return status, output, RunDir.open(tmp_path / name)
+
+
+def test_a_ctrl_c_as_a_fresh_launch_makes_its_run_directory_leaves_no_folder_behind(ray_local, tmp_path):
+    """Before: a traceback, and the run directory (with the parent folders made for it) left holding
+    only config.toml, so that the same command was then refused as "already exists"."""
+    sets = tiny(tmp_path, "fresh", f"run.output_dir={json.dumps(str(tmp_path / 'made' / 'deeper'))}")
+    status, output = interrupted_at("launch.run_dir_made", "launch.run_dir_made=sleep:30", tmp_path, sets)
+    assert status == 130, output
+    assert "streamrl: interrupted before the run started; nothing was trained or changed" in output
+    assert "Traceback" not in output
+    assert not (tmp_path / "made").exists()
+
+
+def test_a_ctrl_c_while_a_resume_is_checked_changes_nothing(ray_local, tmp_path):
+    _, run_dir = run_tiny(tmp_path, "checked", "run.steps=2")
+    before = {path: path.read_bytes() for path in run_dir.path.rglob("*") if path.is_file()}
+    status, output = interrupted_at("launch.resume_checked", "launch.resume_checked=sleep:30", tmp_path,
+                                    ["run.steps=4"], resume=run_dir.path)
+    assert status == 130, output
+    assert "interrupted before the run started" in output and "Traceback" not in output
+    assert {path: path.read_bytes() for path in run_dir.path.rglob("*") if path.is_file()} == before
 
 
 def test_a_ctrl_c_just_after_a_step_is_asked_for_records_that_step_and_the_checkpoint_resumes(ray_local, tmp_path):
