@@ -141,10 +141,17 @@ def call_reward(fn: Callable[[Any, dict], Any], completion: str | list[str],
         return "raised", _describe_exception(exc)
     if not isinstance(completion, list):
         return _number(value)
-    if isinstance(value, str | bytes | dict) or not hasattr(value, "__len__") or len(value) != len(completion):
+    if isinstance(value, str | bytes | dict) or _length(value) != len(completion):
         return "not_a_number", _short(f"a batched reward returned {type(value).__name__}, not a list of "
                                       f"{len(completion)} numbers")
     return [_number(v) for v in value]
+
+
+def _length(value: Any) -> int | None:
+    try:
+        return len(value)
+    except Exception:  # noqa: BLE001 -- no length (a number, a 0-d array or tensor), or a user type's __len__ raised
+        return None
 
 
 def _number(value: Any) -> Outcome:

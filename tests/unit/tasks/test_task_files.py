@@ -161,6 +161,11 @@ group.batched = True
 def short(completions, row):
     return [1.0]
 short.batched = True
+
+def scalar(completions, row):
+    import numpy
+    return numpy.array(0.5)  # has __len__, which raises: one number, not one per completion
+scalar.batched = True
 '''
 
 
@@ -180,6 +185,11 @@ def test_a_batched_reward_is_called_once_per_group(files, tiny_model_dir, isolat
     assert group_rewards(wrong, 0, [[4], [5]]) == [0.0, 0.0]  # a list of the wrong length fails each sample
     assert wrong.reward_failures() == {"not_a_number": 2}
     wrong.close()
+    scalar = make_task(section(files, reward="batched_rewards:scalar", reward_isolation=isolation), tokenizer,
+                       search_path=str(files))
+    assert group_rewards(scalar, 0, [[4], [5]]) == [0.0, 0.0]  # was a TypeError (inline: the producer failed)
+    assert scalar.reward_failures() == {"not_a_number": 2}
+    scalar.close()
     sys.modules.pop("batched_rewards", None)
 
 
