@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -96,6 +97,7 @@ class TorchEngine:
             raise ValueError("the engine needs at least one stop token id")
         if max_new_tokens < 1 or capacity < 1:
             raise ValueError(f"max_new_tokens ({max_new_tokens}) and capacity ({capacity}) must be >= 1")
+        check_plain_cache(weights.model.config)  # not at the first join into a running batch, mid-run
         self.weights = weights
         self.pad_id, self.max_new_tokens, self.capacity = pad_id, max_new_tokens, capacity
         self.temperature, self.top_p, self.seed, self.greedy = temperature, top_p, seed, greedy
@@ -295,6 +297,12 @@ def _check_filled(cache: DynamicCache, width: int, keyword: str) -> None:
             f"transformers {transformers.__version__}): the engine passes it as `cache=` to a forward that "
             "declares `cache` (transformers >= 5.24), else as `past_key_values=` (earlier 5.x); a custom "
             "model's forward must take it under one of these names and fill it")
+
+
+def check_plain_cache(config: Any) -> None:
+    """Refuse a model whose KV cache the engine cannot cut and join (rows join and leave a running
+    batch): one with sliding-window layers (Mistral, Gemma 2/3, Qwen2 with use_sliding_window)."""
+    _layers(DynamicCache(config=config))
 
 
 def _layers(cache: DynamicCache) -> list[DynamicLayer]:

@@ -114,10 +114,32 @@ def model_facts(config: RunConfig) -> dict[str, Any]:
     # `n_layer` (its attribute map answers to the common names), multimodal models nest the language
     # model's fields under `text_config`.
     try:
-        text = AutoConfig.from_pretrained(model_dir).get_text_config()
+        loaded = AutoConfig.from_pretrained(model_dir)
+        text = loaded.get_text_config()
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"model.path {str(model_dir)!r}: transformers cannot read its config.json ({exc})") from exc
-    return {key: getattr(text, key, None) for key in ("vocab_size", "max_position_embeddings", "num_hidden_layers")}
+    facts = {key: getattr(text, key, None) for key in ("vocab_size", "max_position_embeddings", "num_hidden_layers")}
+    return {**facts, "config": loaded}
+
+
+def check_model_supported(config: RunConfig, model_config: Any) -> None:
+    """What the chosen engine and trainer cannot run is refused now, not once they have started (the
+    torch engine met a sliding-window cache at its first join into a running batch, mid-run)."""
+    where = f"model.path {config.model.path!r}"
+    if config.producers.engine == "torch":
+        from streamrl.engine.torch_engine import check_plain_cache
+
+        try:
+            check_plain_cache(model_config)
+        except ValueError as exc:
+            raise ConfigError(f"{where} cannot run on producers.engine = 'torch': {exc}") from exc
+    if config.trainer.backend == "megatron":
+        from streamrl.megatron.convert import Layout
+
+        try:
+            Layout.from_hf(model_config).check_tp(config.trainer.tensor_parallel)
+        except ValueError as exc:
+            raise ConfigError(f"{where} cannot train on trainer.backend = 'megatron': {exc}") from exc
 
 
 def load_tokenizer(config: RunConfig) -> Any:
@@ -162,6 +184,8 @@ def check_model_and_task(config: RunConfig) -> None:
     if layers is not None and layers % stages:
         raise ConfigError(f"trainer.pipeline_parallel={stages} does not divide the model's {layers} layers "
                           "(num_hidden_layers): every stage holds the same number of layers")
+    if "config" in facts:
+        check_model_supported(config, facts["config"])
     if config.task.kind == "file":
         from streamrl.tasks import make_task
         from streamrl.tasks.files import MAX_NEW_TOKENS

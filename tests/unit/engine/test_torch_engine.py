@@ -214,6 +214,16 @@ def test_bad_arguments_are_refused(tiny_model_dir):
         engine.add(0, [1, 2], 0)
 
 
+def test_a_sliding_window_model_is_refused_when_the_engine_is_made(tiny_model_dir):
+    """Not when a second group first joins the running batch (a producer failing mid-run)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config.from_pretrained(tiny_model_dir, use_sliding_window=True, sliding_window=4,
+                                         layer_types=["sliding_attention"] * 2)
+    with pytest.raises(ValueError, match=r"plain KV cache; this model's has \['DynamicSlidingWindowLayer'\]"):
+        engine_for(AutoModelForCausalLM.from_config(config))
+
+
 def _with_forward(model, keyword):
     """`model`'s forward replaced by one that declares its cache as `keyword` (as a transformers release does),
     passes it on to the real forward under the name that one declares, and records per call whether the

@@ -85,6 +85,34 @@ def test_the_models_context_and_depth_are_read_whatever_the_architecture_calls_t
         preflight_model(config(model, "trainer.backend=\"megatron\"", "trainer.pipeline_parallel=2"))
 
 
+def test_a_model_the_engine_or_trainer_cannot_run_is_refused_before_anything_starts(tmp_path: Path, tiny_model_dir):
+    """A sliding-window model ran on the torch engine until a second group joined the running batch,
+    then failed the producer mid-run; the megatron trainer refused it only once its actors had started."""
+    import json
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    fields = json.loads((model_dir / "config.json").read_text())
+
+    def model(**changes):
+        (model_dir / "config.json").write_text(json.dumps({**fields, **changes}))
+        return f"model.path=\"{model_dir}\""
+
+    windowed = model(use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention"] * 2)
+    with pytest.raises(ConfigError, match=r"cannot run on producers.engine = 'torch': continuous batching needs a "
+                                          r"plain KV cache; this model's has \['DynamicSlidingWindowLayer'\]"):
+        preflight_model(config(windowed))
+    sglang = ("producers.engine=\"sglang\"", "producers.num_gpus=1", "trainer.num_gpus=1")
+    preflight_model(config(windowed, *sglang))  # sglang serves sliding-window models
+    with pytest.raises(ConfigError, match="cannot train on trainer.backend = 'megatron': sliding-window attention"):
+        preflight_model(config(windowed, *sglang, "trainer.backend=\"megatron\""))
+    one_group = model(num_key_value_heads=1)
+    preflight_model(config(one_group, "trainer.backend=\"megatron\""))
+    with pytest.raises(ConfigError, match="megatron': tensor parallel size 2 does not divide key/value heads = 1"):
+        preflight_model(config(one_group, "trainer.backend=\"megatron\"", "trainer.tensor_parallel=2"))
+
+
 def test_a_model_config_transformers_cannot_read_is_refused_naming_the_directory(tmp_path: Path):
     (tmp_path / "config.json").write_text("{}")  # no model_type
     with pytest.raises(ConfigError, match=f"model.path '{tmp_path}': transformers cannot read its config.json"):
