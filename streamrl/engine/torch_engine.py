@@ -23,6 +23,7 @@ ran alone or joined a busy batch mid-way (up to float rounding at the edge of a 
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -76,7 +77,10 @@ def draw(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1]
     below_total = torch.nextafter(total, torch.zeros_like(total))  # a uniform rounded up to 1 stays inside
     target = torch.minimum(uniforms.to(cdf) * total, below_total).unsqueeze(-1)
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    # A row whose distribution is not finite (NaN logits) finds no place in its cdf: a token in the vocabulary
+    # all the same, whose NaN log-prob the engine refuses (an index past it fails in `gather`, on a GPU as a
+    # device-side assert that poisons the process).
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
 
 
 class _Row:
@@ -215,6 +219,9 @@ class TorchEngine:
         finished, keep = [], []
         for i, (row, token, logprob, version, stopped) in enumerate(zip(
                 self._rows, tokens.tolist(), chosen.tolist(), self._logit_versions.tolist(), stop.tolist())):
+            if math.isnan(logprob):
+                raise FloatingPointError(f"weights version {version} computed non-finite logits for sequence "
+                                         f"{row.key}/{row.index} at token {len(row.tokens)}: the policy diverged")
             row.tokens.append(token)
             row.logprobs.append(logprob)
             row.versions.append(version)

@@ -214,6 +214,21 @@ def test_bad_arguments_are_refused(tiny_model_dir):
         engine.add(0, [1, 2], 0)
 
 
+@pytest.mark.parametrize("greedy", [False, True])
+def test_weights_that_compute_nan_logits_stop_the_engine_naming_the_version(tiny_model_dir, greedy):
+    """A draw from NaN logits picked the index one past the vocabulary (a gather error; on a GPU, a
+    device-side assert)."""
+    model, _ = load_policy(tiny_model_dir)
+    with torch.no_grad():
+        model.lm_head.weight[3, 0] = float("nan")
+    engine = engine_for(model, version=7, greedy=greedy)
+    engine.add(0, [1, 2, 3], 2)
+    with pytest.raises(FloatingPointError, match=r"weights version 7 computed non-finite logits for sequence 0/0 "
+                                                 r"at token 0: the policy diverged"):
+        run_until_done(engine)
+    assert draw(torch.full((1, 4), float("nan")), torch.tensor([0.5])).tolist() == [3]
+
+
 def test_a_sliding_window_model_is_refused_when_the_engine_is_made(tiny_model_dir):
     """Not when a second group first joins the running batch (a producer failing mid-run)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
