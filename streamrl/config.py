@@ -284,9 +284,12 @@ class TrainerSection(_Section):
     """The trainer gives up when no batch arrives for this long (not counted while the operator has paused
     admission): the run stops with a checkpoint and fails."""
     diagnose_every: int = Field(0, ge=0)
-    """Every this many steps, measure how the step's data moves the policy (`streamrl/trainer/diagnostics.py`):
-    the policy gradients of the batch's older and newer halves and their cosine, and KL(before → after
-    the step); about two more forward-backward passes over the batch on those steps. 0: off. torch backend."""
+    """Every this many steps, measure whether the step's stale data points where fresh data would
+    (`streamrl/trainer/diagnostics.py`): the step's prompts are sampled again by the current weights, and
+    the policy gradients of two random halves of the groups, stale and fresh, give `grad_cos_*` and
+    `grad_signal_alignment` (about 1 when they agree); `update_kl` is KL(before → after the step) on the
+    fresh samples. Costs a generation and about two more forward-backward passes over the batch on those
+    steps. 0: off. torch backend."""
 
     @property
     def ranks(self) -> int:

@@ -14,7 +14,7 @@ _HOME = {
     "LossConfig": "config", "make_loss": "config",
     "token_entropy": "logprobs", "token_logprobs": "logprobs",
     **{name: "losses" for name in ("LOSSES", "PolicyBatch", "decoupled_ppo", "gspo", "m2po", "masked_is", "naive",
-                                   "ppo_bypass", "reinforce", "tis", "topr")},
+                                   "ppo_bypass", "reinforce", "tis", "token_means", "topr")},
 }
 
 __all__ = sorted(_HOME)

@@ -26,17 +26,20 @@ denominator, which is the number of response tokens in `mask` (`token_mean`), of
 is then an importance weight of zero, so the estimate shrinks as more of the batch is rejected instead
 of blowing up the few tokens left exactly when the data is most off-policy; and the denominator is
 known before the loss is computed, so micro-batches and data-parallel ranks given the whole batch's
-count as `denominator` add up to the whole-batch loss (AReaL's and slime's convention).
+count as `denominator` add up to the whole-batch loss (AReaL's and slime's convention). A KL penalty
+(`kl_coef`) is added over every token with finite log-probs, rejected ones too: the distance to the
+reference does not read the behaviour log-prob a rejection distrusts.
 
 Safety: every log-ratio is clamped to ±`LOG_RATIO_CLAMP` before `exp`; tokens whose behaviour (or
 proximal, or current) log-prob is not finite are masked and counted; an all-masked batch gives a zero loss whose
-gradients are zero, never NaN. Metrics are detached 0-d tensors (no device sync here).
+gradients are zero, never NaN. Metrics are detached 0-d tensors (no device sync here); per-token means
+come as a sum and a count (`token_means` divides them, once per step).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -108,8 +111,25 @@ def _aggregate(per_token: torch.Tensor, kept: torch.Tensor, mask: torch.Tensor, 
     raise ValueError(f"unknown aggregation {aggregation!r}")
 
 
-def _masked_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    return torch.where(valid, x, 0.0).sum() / valid.sum().clamp(min=1)
+# Per-token means a loss reports as a sum and a count: a trainer adds them over micro-batches and ranks,
+# and `token_means` divides once for the whole step (a mean of micro-batch means would depend on where the
+# batch was cut, and on how many tokens each part rejected).
+TOKEN_MEANS = ("ratio_mean", "clipped_fraction", "truncated_fraction", "kl_behavior_proximal", "kl_ref",
+               "staleness_mean")
+
+
+def _mean_parts(name: str, x: torch.Tensor, where: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {f"{name}_sum": torch.where(where, x, 0.0).sum(), f"{name}_count": where.sum().to(x.dtype)}
+
+
+def token_means(metrics: dict[str, Any]) -> dict[str, Any]:
+    """`metrics` with each of `TOKEN_MEANS`' sum and count replaced by their quotient (0 without a token)."""
+    out = dict(metrics)
+    for name in TOKEN_MEANS:
+        if f"{name}_sum" in out:
+            total, count = out.pop(f"{name}_sum"), out.pop(f"{name}_count")
+            out[name] = total / (count if count else 1)
+    return out
 
 
 def _finish(per_token: torch.Tensor, batch: PolicyBatch, valid: torch.Tensor, *, is_log_ratio: torch.Tensor,
@@ -117,43 +137,48 @@ def _finish(per_token: torch.Tensor, batch: PolicyBatch, valid: torch.Tensor, *,
             rejected: torch.Tensor | None, aggregation: Aggregation, denominator: float | None,
             kl_coef: float, kl_estimator: Literal["k1", "k3"], trainer_version: int | None,
             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Add the KL penalty, aggregate, and compute the metrics every loss reports."""
+    """Add the KL penalty, aggregate, and compute the metrics every loss reports (per-token means as a
+    sum and a count: `token_means` gives the means)."""
     metrics: dict[str, torch.Tensor] = {}
     if kl_coef and batch.ref_logprobs is None:  # a penalty that silently did nothing would be worse
         raise ValueError(f"kl_coef={kl_coef} needs the reference policy's log-probs (ref_logprobs)")
-    if kl_coef:
-        kl = _kl_penalty(batch.logprobs, batch.ref_logprobs, valid, kl_estimator)
-        per_token = per_token + kl_coef * kl
-        metrics["kl_ref"] = _masked_mean(kl.detach(), valid)
     kept = valid if rejected is None else valid & ~rejected
-    loss = _aggregate(per_token, kept, batch.mask.bool(), aggregation, denominator)
+    response = batch.mask.bool()
+    loss = _aggregate(per_token, kept, response, aggregation, denominator)
+    if kl_coef:
+        # Over every valid token, rejected ones too: a rejection says the behaviour policy's log-prob is not
+        # to be trusted, which the distance to the reference does not read.
+        kl = _kl_penalty(batch.logprobs, batch.ref_logprobs, valid, kl_estimator)
+        loss = loss + kl_coef * _aggregate(kl, valid, response, aggregation, denominator)
+        metrics.update(_mean_parts("kl_ref", kl.detach(), valid))
 
     with torch.no_grad():
-        tokens = batch.mask.bool().sum().clamp(min=1)
+        tokens = response.sum().clamp(min=1)
         raw_ratio = _exp_ratio(is_log_ratio)
         big, small = torch.finfo(raw_ratio.dtype).max, torch.finfo(raw_ratio.dtype).min
         w = weights * kept
+        never = torch.zeros_like(valid)
         metrics.update(
             tokens=kept.sum().float(),
-            ratio_mean=_masked_mean(raw_ratio, valid),
             ratio_min=torch.where(valid, raw_ratio, big).min() if valid.any() else raw_ratio.new_tensor(1.0),
             ratio_max=torch.where(valid, raw_ratio, small).max() if valid.any() else raw_ratio.new_tensor(1.0),
-            clipped_fraction=_masked_mean(clipped.float(), kept) if clipped is not None else raw_ratio.new_tensor(0.0),
-            truncated_fraction=_masked_mean(truncated.float(), valid) if truncated is not None
-            else raw_ratio.new_tensor(0.0),
-            masked_fraction=(batch.mask.bool().sum() - kept.sum()) / tokens,
-            nonfinite_fraction=(batch.mask.bool() & ~valid).sum() / tokens,
+            masked_fraction=(response.sum() - kept.sum()) / tokens,
+            nonfinite_fraction=(response & ~valid).sum() / tokens,
             ess=(w.sum() ** 2 / (kept.sum().clamp(min=1) * (w ** 2).sum().clamp(min=1e-30))),
             # ess's parts: a trainer sums them over micro-batches and ranks for the whole step's (`ess` of a
             # part is a ratio: an average of parts' would depend on where the micro-batches were cut)
             ess_weight_sum=w.sum(), ess_weight_sq_sum=(w ** 2).sum(),
+            **_mean_parts("ratio_mean", raw_ratio, valid),
+            **_mean_parts("clipped_fraction", (never if clipped is None else clipped).to(raw_ratio.dtype), kept),
+            **_mean_parts("truncated_fraction", (never if truncated is None else truncated).to(raw_ratio.dtype),
+                          valid),
             # k3 estimate of KL(b || p) from tokens sampled by b: (r − 1) − log r, r = p/b.
-            kl_behavior_proximal=_masked_mean(raw_ratio - 1.0 - is_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP),
-                                              valid),
+            **_mean_parts("kl_behavior_proximal",
+                          raw_ratio - 1.0 - is_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), valid),
         )
         if batch.versions is not None and trainer_version is not None:
-            age = (trainer_version - batch.versions).float()
-            metrics["staleness_mean"] = _masked_mean(age, valid)
+            age = (trainer_version - batch.versions).to(raw_ratio.dtype)
+            metrics.update(_mean_parts("staleness_mean", age, valid))
             metrics["staleness_max"] = torch.where(valid, age, -1.0).max() if valid.any() else age.new_tensor(0.0)
             metrics.update(_mismatch(is_log_ratio, valid & (age == 0)))
     return loss, metrics
@@ -174,8 +199,9 @@ def _mismatch(is_log_ratio: torch.Tensor, current: torch.Tensor) -> dict[str, to
 
 def _kl_penalty(theta: torch.Tensor, ref: torch.Tensor, valid: torch.Tensor,
                 estimator: Literal["k1", "k3"]) -> torch.Tensor:
-    # log(π_ref / π_θ); 0 where the reference's log-prob is not finite: that token gets no penalty
-    log_ratio = torch.where(valid & torch.isfinite(ref), ref, theta.detach()) - theta
+    # log(π_ref / π_θ); 0 where the reference's log-prob is not finite: that token gets no penalty, and no
+    # gradient (θ.detach() − θ is 0 with a gradient of −1, which k1 passed on)
+    log_ratio = torch.where(valid & torch.isfinite(ref), ref - theta, torch.zeros_like(theta))
     if estimator == "k1":
         return -log_ratio
     if estimator == "k3":

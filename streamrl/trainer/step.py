@@ -47,7 +47,7 @@ from streamrl.correction import (
     make_loss,
     rloo_advantages,
 )
-from streamrl.correction.losses import m2po_cutoff, m2po_values
+from streamrl.correction.losses import m2po_cutoff, m2po_values, token_means
 from streamrl.trainer import diagnostics
 from streamrl.trainer.schedule import lr_at
 
@@ -171,7 +171,7 @@ def run_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, *, version: i
             raise
     if diagnosed:
         extra.update(_update_kl(backend, plan, fresh, before))
-    totals = diagnostics.finish(whole_step_ess(mean_mismatch(merge_ranks(backend.gather_metrics(totals)))))
+    totals = diagnostics.finish(whole_step_ess(mean_mismatch(token_means(merge_ranks(backend.gather_metrics(totals))))))
     totals.update(extra, grad_norm=float(np.mean(grad_norms)), response_tokens=step_tokens,
                   trained_tokens=int(lengths.sum()), samples=len(lengths), optimizer_steps=len(parts),
                   lr=plan.lr(optimizer_steps + len(parts) - 1))  # the step's last optimizer step

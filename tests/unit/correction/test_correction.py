@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from streamrl.correction import LOSSES, LossConfig, PolicyBatch, make_loss
-from streamrl.correction.losses import LOG_RATIO_CLAMP
+from streamrl.correction.losses import LOG_RATIO_CLAMP, token_means
+from streamrl.trainer.step import accumulate
 
 torch.manual_seed(0)
 N, T = 4, 6
@@ -27,7 +28,7 @@ def grad_of(loss_name, theta, behavior, prox, adv, mask, **kwargs):
     theta = theta.detach().clone().requires_grad_()
     loss, metrics = LOSSES[loss_name](PolicyBatch(theta, behavior, adv, mask, prox), **kwargs)
     loss.backward()
-    return theta.grad, loss, metrics
+    return theta.grad, loss, token_means(metrics)
 
 
 def ppo_mask(ratio, adv, eps_lo=0.2, eps_hi=0.2):
@@ -108,13 +109,35 @@ def test_masked_is_sequence_levels_drop_whole_sequences(level):
 def test_kl_penalty_gradient(estimator):
     theta, b, p, adv, mask = make_batch()
     ref = theta.detach() + 0.4 * torch.randn(N, T, dtype=torch.float64)
+    mask[0, 0] = True
+    ref[0, 0] = -math.inf  # no penalty there, and no gradient (k1 passed on θ.detach() − θ's before)
     t = theta.detach().clone().requires_grad_()
     loss, metrics = LOSSES["reinforce"](PolicyBatch(t, b, torch.zeros_like(adv), mask, None, ref),
                                         kl_coef=0.5, kl_estimator=estimator)
     loss.backward()
     d = torch.ones_like(ref) if estimator == "k1" else 1 - torch.exp(ref - theta.detach())
+    d[0, 0] = 0.0
     torch.testing.assert_close(t.grad, 0.5 * d * mask / mask.sum(), rtol=1e-12, atol=1e-12)
-    assert "kl_ref" in metrics
+    assert "kl_ref" in token_means(metrics)
+
+
+def test_the_kl_penalty_reaches_tokens_the_is_mask_rejects():
+    """A rejection distrusts the behaviour log-prob, which the distance to the reference does not read:
+    the penalty's gradient is the same with and without masking (it was dropped on rejected tokens)."""
+    theta, b, p, adv, mask = make_batch(prox_shift=0.8)
+    ref = theta.detach() + 0.4 * torch.randn(N, T, dtype=torch.float64)
+    no_signal = torch.zeros_like(adv)
+    grads = []
+    for hi in (1.4, 1e9):
+        t = theta.detach().clone().requires_grad_()
+        loss, metrics = LOSSES["masked_is"](PolicyBatch(t, b, no_signal, mask, p, ref), lo=0.7 if hi < 1e9 else 0.0,
+                                            hi=hi, kl_coef=0.5, kl_estimator="k1")
+        loss.backward()
+        grads.append(t.grad)
+        if hi < 1e9:
+            assert 0 < float(metrics["masked_fraction"]) < 1  # the case really rejects something
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grads[0], 0.5 * mask.double() / mask.sum(), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
@@ -195,7 +218,7 @@ def test_a_non_finite_current_log_prob_is_masked_like_a_non_finite_behaviour_one
     nan_ref = ref.clone()
     nan_ref[1, 2] = math.nan
     _, grad, metrics = run(theta, b, nan_ref)
-    assert torch.isfinite(metrics["kl_ref"])
+    assert torch.isfinite(token_means(metrics)["kl_ref"])
 
 
 def test_log_ratios_are_clamped_before_exp():
@@ -211,6 +234,7 @@ def test_metrics_ess_truncation_and_staleness():
     t = theta.detach().clone().requires_grad_()
     _, metrics = LOSSES["decoupled_ppo"](PolicyBatch(t, b, adv, mask, p, None, versions), is_cap=1.5,
                                          trainer_version=6)
+    metrics = token_means(metrics)
     w = torch.exp(p - b).clamp(max=1.5)[mask]
     assert float(metrics["ess"]) == pytest.approx(float(w.sum() ** 2 / (w.numel() * (w ** 2).sum())), rel=1e-9)
     assert float(metrics["truncated_fraction"]) == pytest.approx(float((torch.exp(p - b)[mask] > 1.5).float().mean()))
@@ -280,6 +304,28 @@ def test_denominator_makes_micro_batches_add_up(name, kwargs, aggregation):
     parts.backward()
     torch.testing.assert_close(parts, whole, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(t_parts.grad, t_whole.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,kwargs", MASKING)
+def test_per_token_metrics_of_micro_batches_combine_to_the_whole_batchs(name, kwargs):
+    """The trainer adds micro-batches' metrics and takes `token_means` once. `clipped_fraction` (a mean
+    over kept tokens, read by the automatic staleness controller) was a mean of micro-batch means weighted
+    by their response tokens: off wherever the IS mask rejected more in one micro-batch than another."""
+    theta, b, p, adv, mask = make_batch(prox_shift=0.6, seed=3)
+    versions = torch.randint(4, 7, (N, T))
+    b = torch.where(torch.arange(T) == T - 1, -math.inf, b)
+    ref = theta.detach() + 0.3
+    common = dict(kl_coef=0.1, trainer_version=6, **kwargs)
+    _, whole = LOSSES[name](PolicyBatch(theta, b, adv, mask, p, ref, versions), **common)
+    totals: dict[str, float] = {}
+    for rows in (slice(0, 1), slice(1, 3), slice(3, N)):
+        _, part = LOSSES[name](PolicyBatch(theta[rows], b[rows], adv[rows], mask[rows], p[rows], ref[rows],
+                                           versions[rows]), **common)
+        accumulate(totals, part, share=float(mask[rows].sum() / mask.sum()))
+    whole, combined = token_means(whole), token_means(totals)
+    for metric in ("ratio_mean", "clipped_fraction", "truncated_fraction", "kl_behavior_proximal", "kl_ref",
+                   "staleness_mean", "masked_fraction"):
+        assert combined[metric] == pytest.approx(float(whole[metric]), rel=1e-6, abs=1e-12), metric
 
 
 def test_a_kl_penalty_without_reference_log_probs_is_refused_not_skipped():

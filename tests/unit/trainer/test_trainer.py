@@ -367,7 +367,7 @@ def test_the_kl_penalty_uses_reference_log_probs_of_the_initial_weights(tiny_mod
     """The gradient of the step equals the gradient written out by hand: the policy term plus
     kl_coef × ∂(θ − ref) over the tokens, ref from a frozen copy of the weights the trainer started from."""
     from streamrl.buffer.padded import to_padded
-    from streamrl.correction import PolicyBatch, make_loss
+    from streamrl.correction import PolicyBatch, make_loss, token_means
 
     data = batch()
     t = kl_trainer(tiny_model_dir, kl_coef=0.5)
@@ -387,7 +387,7 @@ def test_the_kl_penalty_uses_reference_log_probs_of_the_initial_weights(tiny_mod
     expected = torch.autograd.grad(by_hand, list(t.backend.model.parameters()))
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-    assert float(metrics["kl_ref"]) == pytest.approx(float(by_hand.detach()) / 0.5, rel=1e-5)
+    assert float(token_means(metrics)["kl_ref"]) == pytest.approx(float(by_hand.detach()) / 0.5, rel=1e-5)
 
 
 @pytest.mark.parametrize("offload", [False, True])
