@@ -27,6 +27,7 @@ so a probe costs no generated data.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,16 +92,27 @@ class AutoStaleness:
                 "last_reason": self._last_reason, "floor": self._floor, "floor_age": self._floor_age}
 
     def restore(self, state: dict[str, Any]) -> None:
-        eta = int(state["eta"])
+        """Go on from a checkpoint's `state()`; a malformed one is refused naming the field, and changes nothing."""
+        def field(name: str, convert: Callable[[Any], Any], default: Any = None) -> Any:
+            if name not in state and default is None:
+                raise ValueError(f"auto_staleness: the saved state has no {name!r}")
+            try:
+                return convert(state.get(name, default))
+            except (TypeError, ValueError, AttributeError) as exc:
+                raise ValueError(f"auto_staleness.{name}: {state.get(name)!r} is malformed ({exc})") from exc
+
+        eta = field("eta", int)
         if not self.config.auto_min <= eta <= self.config.auto_max:
             raise ValueError(f"a saved η of {eta} is outside [auto_min, auto_max] = "
                              f"[{self.config.auto_min}, {self.config.auto_max}]")
-        self.eta, self._smoothed = eta, {k: float(v) for k, v in state["smoothed"].items()}
-        self._since_change = int(state["since_change"])
+        smoothed = field("smoothed", lambda d: {str(k): float(v) for k, v in d.items()})
+        since_change = field("since_change", int)
         # checkpoints written before idle probes lack these: no probe had set a floor
-        self._last_reason = str(state.get("last_reason", ""))
-        self._floor = int(state.get("floor", self.config.auto_min))
-        self._floor_age = int(state.get("floor_age", 0))
+        last_reason = field("last_reason", str, "")
+        floor = field("floor", int, self.config.auto_min)
+        floor_age = field("floor_age", int, 0)
+        self.eta, self._smoothed, self._since_change = eta, smoothed, since_change
+        self._last_reason, self._floor, self._floor_age = last_reason, floor, floor_age
 
 
 def _signals(metrics: dict[str, Any]) -> dict[str, float]:

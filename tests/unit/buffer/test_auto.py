@@ -83,6 +83,26 @@ def test_the_controller_state_round_trips_and_an_impossible_eta_is_refused():
         again.restore({**auto.state(), "eta": 9})
 
 
+@pytest.mark.parametrize("field, bad, message", [
+    ("since_change", "x", r"auto_staleness.since_change: 'x' is malformed"),
+    ("smoothed", [1, 2], r"auto_staleness.smoothed: \[1, 2\] is malformed"),
+    ("floor", None, r"auto_staleness.floor: None is malformed"),
+    ("eta", None, r"auto_staleness: the saved state has no 'eta'"),
+])
+def test_a_malformed_saved_state_is_refused_naming_the_field_and_changes_nothing(field, bad, message):
+    """η and the smoothed signals were set before a later field failed to parse, with int()'s own message."""
+    saved = AutoStaleness(AUTO)
+    saved.update(step(ess=0.5))
+    auto = AutoStaleness(AUTO)
+    before = auto.state()
+    state = {**saved.state(), "eta": 3, field: bad}
+    if bad is None and field == "eta":
+        del state["eta"]
+    with pytest.raises(ValueError, match=message):
+        auto.restore(state)
+    assert auto.state() == before
+
+
 def test_the_queue_refuses_an_eta_outside_the_range_or_for_a_fixed_budget_and_changes_nothing():
     queue = ReplayQueue(AUTO)
     before = queue.status()
