@@ -29,7 +29,7 @@ import queue as stdlib_queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -71,14 +71,27 @@ def commit_or_give_back(queue: QueueClient, batch: pa.RecordBatch, ticket_ids: l
     try:
         queue.commit(batch)
         return True
-    except TicketExpired:
-        log.info("groups %s went over the staleness budget while they ran: their prompts go back to be "
-                 "generated again", ticket_ids)
+    except TicketExpired as exc:
+        log.info("the queue had taken back a ticket of groups %s while they ran (%s): their prompts go back "
+                 "to be generated again", ticket_ids, exc)
         queue.abandon(ticket_ids)
         return False
-    except BaseException:
-        queue.abandon(ticket_ids)
+    except BaseException as exc:
+        clean_up_after(exc, "giving the groups' tickets back", lambda: queue.abandon(ticket_ids))
         raise
+
+
+def clean_up_after(error: BaseException | None, what: str, step: Callable[[], object]) -> None:
+    """Run a clean-up step. While `error` is on its way out, a failure of the step is logged and noted on
+    `error` instead of replacing it: the run's failure names the first cause, not the clean-up's."""
+    if error is None:
+        step()
+        return
+    try:
+        step()
+    except Exception as failed:  # noqa: BLE001 -- not swallowed: logged, and carried by the error raised
+        log.error("%s failed while %s was raised: %s: %s", what, type(error).__name__, type(failed).__name__, failed)
+        error.add_note(f"{what} failed as well: {type(failed).__name__}: {failed}")
 
 
 def pack_groups(tickets: Sequence[Ticket], prompts: Sequence[Sequence[int]], generation: Generation,
@@ -180,6 +193,7 @@ class RolloutProducer:
         self._done.clear()
         for thread in threads:
             thread.start()
+        failure: BaseException | None = None
         try:
             while not stop.is_set():
                 self._raise_background_error()
@@ -191,8 +205,11 @@ class RolloutProducer:
                                             timeout=0.05)
                     continue
                 self._decode()
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
-            self._shutdown(threads)
+            self._shutdown(threads, failure)
             self.stats.run_s += time.perf_counter() - started
         self._raise_background_error()
 
@@ -359,8 +376,9 @@ class RolloutProducer:
         if self._error is not None:
             raise self._error
 
-    def _shutdown(self, threads: list[threading.Thread]) -> None:
-        """Commit what is finished, give back what is not, and stop the threads."""
+    def _shutdown(self, threads: list[threading.Thread], failure: BaseException | None) -> None:
+        """Commit what is finished, give back what is not, and stop the threads (while `failure` stops
+        the producer, a clean-up step's own failure is noted on it)."""
         self._done.set()
         with self._cond:
             self._cond.notify_all()
@@ -373,8 +391,8 @@ class RolloutProducer:
         for commit_thread in commit_threads:
             commit_thread.join()
         unfinished = [*self._groups, *(t.ticket_id for t in self._admitted)]
-        self.engine.abort()
+        clean_up_after(failure, "stopping the engine's sequences", self.engine.abort)
         self._groups.clear()
         self._admitted.clear()
         if unfinished and not isinstance(self._error, QueueClosed):
-            self.queue.abandon(unfinished)
+            clean_up_after(failure, "giving unfinished groups' tickets back", lambda: self.queue.abandon(unfinished))

@@ -37,7 +37,7 @@ from streamrl.buffer.schema import FINISH_REASONS, LENGTH, list_offsets
 from streamrl.config import RunConfig
 from streamrl.engine.base import accept_offer
 from streamrl.engine.local_weights import LocalWeights
-from streamrl.rollout.producer import ProducerCounters
+from streamrl.rollout.producer import ProducerCounters, clean_up_after
 from streamrl.runtime.build import make_engine, make_learner
 from streamrl.runtime.clients import RemoteHold, RemoteQueue, actor_name
 from streamrl.weights.actor import WeightPublisher
@@ -99,6 +99,7 @@ class ProducerActor:
     def run(self) -> ProducerStatus:
         """Generate until `stop()` or until the queue closes; returns the producer's statistics. Leaving
         releases the weights version this producer held."""
+        failure: BaseException | None = None
         try:
             if self._shared is not None:
                 self._shared.start()
@@ -107,13 +108,17 @@ class ProducerActor:
             self.producer.run(self._stop)
         except QueueClosed:
             pass  # the run is ending: the queue closed while this producer waited for a slot or committed
-        finally:
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:  # a clean-up step that fails while the producer fails is noted on its error, not raised instead
             try:
                 if self._shared is not None:
-                    self._shared.stop()
-                self.producer.engine.close()  # sglang: its servers and update groups
+                    clean_up_after(failure, "stopping the shared-memory weights listener", self._shared.stop)
+                clean_up_after(failure, "closing the engine", self.producer.engine.close)  # sglang: servers, groups
             finally:
-                ray.get(self.weights.drop_holder.remote(self.producer.producer_id), timeout=30)
+                clean_up_after(failure, "releasing the weights version this producer held", lambda: ray.get(
+                    self.weights.drop_holder.remote(self.producer.producer_id), timeout=30))
         return self.status()
 
     def stop(self) -> None:

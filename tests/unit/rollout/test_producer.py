@@ -324,6 +324,25 @@ def test_a_failure_after_a_commit_gives_back_every_batch_still_waiting(tiny_mode
     assert queue.status()["committed"] >= 2 and accounted_for(queue)
 
 
+def test_a_refused_commit_stays_the_producers_error_when_giving_tickets_back_fails_too(tiny_model_dir, setup):
+    """The give-back's error replaced the commit's, whose message names the column and row at fault."""
+    from streamrl.buffer import BatchError
+
+    _, registry = setup
+
+    class Unreachable(ReplayQueue):
+        def commit(self, batch, to_payload=None):
+            raise BatchError("versions", 3, "a token newer than the trainer")
+
+        def abandon(self, ticket_ids):
+            raise ConnectionError("queue unreachable")
+
+    queue = Unreachable(QueueConfig(group_size=4, groups_per_step=3, max_staleness=1, max_in_flight=8, vocab_size=17))
+    errors = errors_once_failed(make_producer(tiny_model_dir, queue, registry))
+    assert len(errors) == 1 and isinstance(errors[0], BatchError), errors
+    assert "giving the groups' tickets back failed as well: ConnectionError: queue unreachable" in errors[0].__notes__
+
+
 def test_a_producer_stopped_before_any_weights_were_published_returns_at_once(tiny_model_dir):
     queue = ReplayQueue(QueueConfig(group_size=4, groups_per_step=3, max_staleness=1, max_in_flight=8))
     producer = make_producer(tiny_model_dir, queue, WeightRegistry())
