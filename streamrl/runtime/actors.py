@@ -210,6 +210,9 @@ class _Taken:
     fetch_s: float
 
 
+COLOCATED_HOLD = "colocated"  # the trainer's admission hold while colocated servers have given it their GPUs
+
+
 class TrainerShell:
     """Steps a learner against the queue and publishes its weights; the backend-independent half of
     the trainer actor."""
@@ -332,15 +335,21 @@ class TrainerShell:
             self._colocated = [ray.get_actor(actor_name(self.run_name, f"producer-{i}"), namespace=NAMESPACE)
                                for i in range(self.colocated_producers)]
         producers = self._colocated
+        # Admission holds for the turn: a group admitted now would wait in a released server, its ticket
+        # counted in flight (and ageing toward ticket_timeout_s) while nothing can generate it.
+        ray.get(self.queue.pause.remote(COLOCATED_HOLD))
         try:
-            ray.get([p.release_gpu.remote() for p in producers])
-            self.trainer.onload()
             try:
-                yield
+                ray.get([p.release_gpu.remote() for p in producers])
+                self.trainer.onload()
+                try:
+                    yield
+                finally:
+                    self.trainer.offload()
             finally:
-                self.trainer.offload()
+                ray.get([p.resume_gpu.remote() for p in producers])
         finally:
-            ray.get([p.resume_gpu.remote() for p in producers])
+            ray.get(self.queue.resume.remote(COLOCATED_HOLD))
 
 
 def response_lengths(table: pa.Table | pa.RecordBatch) -> dict[str, float]:

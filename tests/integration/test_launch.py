@@ -14,6 +14,7 @@ from checkout import FAKE_SGLANG
 from launching import launch_subprocess, resume_tiny, run_tiny, tiny
 
 from streamrl.buffer import load_queue
+from streamrl.buffer.actor import get_queue_actor
 from streamrl.cli import main
 from streamrl.config import ConfigError
 from streamrl.runtime.launch import launch, prepare
@@ -210,11 +211,35 @@ def test_colocated_servers_free_the_gpu_for_every_trainer_step(ray_local, tmp_pa
     fake, log = str(FAKE_SGLANG), tmp_path / "calls.log"
     launcher = json.dumps([sys.executable, fake, "--token-delay-s", "0.001", "--update-delay-s", "0.01", "--pause-poll-s", "0.05",
                            "--calls-log", str(log)])
-    summary, run_dir = run_tiny(tmp_path, "coloc", "run.steps=3", "producers.engine=sglang", "producers.count=1",
-                                f"producers.sglang.launcher={launcher}", "producers.sglang.memory_saver=true",
-                                "producers.sglang.base_port=31720", "trainer.colocated=true", "run.eval_every=0",
-                                "producers.sglang.weights=tensor")
+    seen, done = [], threading.Event()
+
+    def watch_admission():  # the queue's holds and admissions, as often as the queue answers
+        queue = None
+        while not done.is_set():
+            try:
+                queue = queue or get_queue_actor("coloc")
+                status = ray.get(queue.status.remote())
+            except (ValueError, ray.exceptions.RayActorError):  # not started yet, or gone at the end
+                time.sleep(0.01)
+                continue
+            seen.append((status["holds"], status["admitted"]))
+
+    watcher = threading.Thread(target=watch_admission)
+    watcher.start()
+    try:
+        summary, run_dir = run_tiny(tmp_path, "coloc", "run.steps=3", "producers.engine=sglang", "producers.count=1",
+                                    f"producers.sglang.launcher={launcher}", "producers.sglang.memory_saver=true",
+                                    "producers.sglang.base_port=31720", "trainer.colocated=true", "run.eval_every=0",
+                                    "producers.sglang.weights=tensor")
+    finally:
+        done.set()
+        watcher.join()
     assert summary["steps"] == 3
+    # admission holds while the trainer has the GPU: no group is admitted for a server that cannot run it
+    held = [i for i, (holds, _) in enumerate(seen) if holds == ["colocated"]]
+    assert held, seen
+    assert all(seen[i][1] == seen[i + 1][1] for i in held if i + 1 in held)
+    assert "colocated" not in seen[-1][0]  # released after the last step
     calls = [line.split()[1] for line in log.read_text().splitlines()]
     turns = [c for c in calls if c.endswith("_memory_occupation")]
     assert turns == ["/release_memory_occupation", "/resume_memory_occupation"] * 3  # one turn per step
