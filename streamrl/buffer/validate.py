@@ -56,7 +56,11 @@ def as_record_batch(batch: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
     if isinstance(batch, pa.Table):
         if batch.num_rows == 0:
             return pa.RecordBatch.from_pylist([], batch.schema)
-        return batch.combine_chunks().to_batches()[0]
+        batches = batch.combine_chunks().to_batches()
+        if len(batches) != 1:  # a column past one chunk's limits (2^31 list values) stays split
+            raise BatchError(None, None, f"a table of {batch.num_rows} rows does not combine into one record "
+                                         f"batch ({len(batches)} chunks): commit it in smaller batches")
+        return batches[0]
     raise BatchError(None, None, f"expected an Arrow RecordBatch or Table, got {type(batch).__name__}")
 
 

@@ -411,7 +411,8 @@ class Run:
         return path
 
     def stop_producers(self, timeout: float = 60.0) -> None:
-        """Hold admission, let the running generations finish and commit, stop the producers."""
+        """Hold admission and stop the producers: each commits the groups it has finished and gives the
+        running ones back (their prompts are generated again, by this run or a resumed one)."""
         if self.producers is None or not self.producers.handles:
             return
         ray.get(self.queue.pause.remote(SHUTDOWN_HOLD))

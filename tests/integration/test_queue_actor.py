@@ -8,7 +8,7 @@ import pytest
 import ray
 
 from streamrl.buffer import QueueConfig
-from streamrl.buffer.actor import create_queue_actor, fetch_table, get_queue_actor
+from streamrl.buffer.actor import INLINE_RETURN_LIMIT, create_queue_actor, fetch_table, get_queue_actor
 
 pytestmark = pytest.mark.ray
 
@@ -167,18 +167,21 @@ def make_outbox_producer_class():
     return OutboxProducer
 
 
-def test_a_batch_committed_through_the_producers_outbox_survives_its_producer(ray_local):
+@pytest.mark.parametrize("response_len", [16, 40_000])
+def test_a_batch_committed_through_the_producers_outbox_survives_its_producer(ray_local, response_len):
     """Through the outbox, a batch is stored once, owned by the queue, and readable after a SIGKILL of
-    the producer right after the commit."""
+    the producer right after the commit: a small one (inlined in the queue's call's return value, then
+    put by the queue) and a large one (in the object store, by reference)."""
     OutboxProducer = make_outbox_producer_class()
     config = QueueConfig(group_size=2, groups_per_step=2, max_staleness=0, max_in_flight=2)
-    queue = create_queue_actor("outbox-test", config)
-    producer = OutboxProducer.remote("outbox-test")
-    committed = ray.get(producer.commit_one.remote())
+    queue = create_queue_actor(f"outbox-test-{response_len}", config)
+    producer = OutboxProducer.remote(f"outbox-test-{response_len}")
+    committed = ray.get(producer.commit_one.remote(response_len=response_len))
     os.kill(ray.get(producer.pid.remote()), signal.SIGKILL)
     time.sleep(0.5)
     table = fetch_table(ray.get(queue.get.remote(timeout=10)))
     assert sorted(set(table.column("group_id").to_pylist())) == sorted(committed) and table.num_rows == 4
+    assert (table.nbytes > 2 * INLINE_RETURN_LIMIT) == (response_len > 16)  # each path taken
     ray.kill(queue)
 
 
