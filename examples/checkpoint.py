@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
@@ -29,6 +29,7 @@ def char_tokenizer(chars: str, *, chat_template: bool = False) -> PreTrainedToke
     vocab = {token: i for i, token in enumerate([*specials, *dict.fromkeys(chars)])}
     core = Tokenizer(models.WordLevel(vocab, unk_token=PAD))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()  # characters back to back (without it, decoded alone: "2 1")
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS,
                                         unk_token=PAD, clean_up_tokenization_spaces=False)
     if chat_template:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from streamrl.config import ModelSection
@@ -22,6 +22,7 @@ def build_tokenizer(vocab: CharVocab) -> PreTrainedTokenizerFast:
     pad, bos, eos = vocab.tokens[:3]
     core = Tokenizer(models.WordLevel({tok: i for i, tok in enumerate(vocab.tokens)}, unk_token=pad))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()  # characters back to back (without it, decoded alone: "2 1")
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=pad, bos_token=bos, eos_token=eos,
                                    unk_token=pad, clean_up_tokenization_spaces=False)
 

@@ -51,3 +51,21 @@ def test_the_held_out_set_is_found_lazily_in_the_same_order_however_it_is_asked_
     numbers = big.eval_numbers(256)
     assert numbers == sorted(numbers) and all(big.is_held_out(n) for n in numbers)
     assert big.eval_reward(255, big.vocab.encode(f"{numbers[255]:012d}"[::-1]) + [EOS]) == 1.0
+
+
+def test_the_character_tokenizer_decodes_characters_back_to_back_however_it_is_loaded(tiny_model_dir, tmp_path):
+    """Built without a decoder, it decoded "2 1" when used as built or loaded without the model's
+    config.json (AutoTokenizer's Qwen2 class hid it): a file task's reward then saw spaced answers."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from streamrl.models.tiny import build_tokenizer
+
+    bare = tmp_path / "tokenizer-only"
+    shutil.copytree(tiny_model_dir, bare)
+    (bare / "config.json").unlink()
+    for tokenizer in (build_tokenizer(CharVocab()), AutoTokenizer.from_pretrained(tiny_model_dir),
+                      AutoTokenizer.from_pretrained(bare)):
+        ids = tokenizer.encode("21>12", add_special_tokens=False)
+        assert len(ids) == 5 and tokenizer.decode(ids) == "21>12"
