@@ -140,7 +140,7 @@ class ProducerCounters:
     busy_slot_s: float = 0.0  # Σ active sequences × step time
     engine_s: float = 0.0  # Σ step time: the engine computing
     run_s: float = 0.0
-    weight_updates: int = 0
+    weight_updates: int = 0  # versions switched to after the first one loaded
     aborted_groups: int = 0  # stopped early: certain to exceed the staleness budget
     expired_groups: int = 0  # refused at commit (their tickets had expired)
     lost_groups: int = 0  # a server died under them (sglang): their prompts given back
@@ -214,8 +214,12 @@ class RolloutProducer:
         self._raise_background_error()
 
     def _refresh(self) -> None:
+        first = self.engine.weights.version is None
         stall = self.engine.weights.refresh()
         if stall is None:
+            return
+        if first:  # nothing was generating to be held up: not an update, and not a stall
+            log.info("weights version %s loaded (%.3f s)", self.engine.weights.version, stall)
             return
         self.stalls.append(stall)
         self.stats.weight_updates += 1

@@ -144,6 +144,8 @@ def test_a_producer_with_stale_weights_waits_for_newer_ones(tiny_model_dir, setu
         got = queue.get(3, timeout=30)
     assert not errors and got is not None and producer.engine.weights.version == 2
     assert all(min(g.payload.column("versions").flatten().to_pylist()) == 2 for g in got.groups)
+    # one update while generating, one stall; loading the first version held nothing up and is neither
+    assert producer.stats.weight_updates == 1 and len(producer.stalls) == 1
 
 
 class CountingQueue(ReplayQueue):
