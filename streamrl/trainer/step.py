@@ -250,17 +250,21 @@ def _optimizer_step(backend: Backend, plan: StepPlan, batch: PaddedBatch, rows: 
     tokens = int(mask[torch.from_numpy(rows)].sum())
     share = tokens / max(step_tokens, 1)
     backend.zero_grad()
+    recorded: list[tuple[np.ndarray, torch.Tensor, dict[str, torch.Tensor]]] = []
 
     def record(part: np.ndarray, loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> None:
-        within = float(mask[torch.from_numpy(part)].sum()) / max(tokens, 1)
-        accumulate(totals, metrics, share=share * within)
-        totals["loss"] = totals.get("loss", 0.0) + share * float(loss.detach())  # already over the whole mini-batch
+        recorded.append((part, loss.detach(), metrics))  # read once every backward pass is queued: a float()
+        # here would make the host wait for the device before it could queue the next micro-batch
 
     loss_of = _loss_of(plan, batch, mask, adv, proximal=proximal, reference=reference, version=version,
                        denominator=float(max(tokens, 1)) if plan.token_mean else float(len(rows)),
                        keywords=keywords, record=record)
     mine = backend.shard(rows)
     backend.backward(batch, lengths, micro_batch_rows(lengths, mine, plan.micro_batch_tokens), loss_of)
+    for part, loss, metrics in recorded:
+        within = float(mask[torch.from_numpy(part)].sum()) / max(tokens, 1)
+        accumulate(totals, metrics, share=share * within)
+        totals["loss"] = totals.get("loss", 0.0) + share * float(loss)  # already over the whole mini-batch
     grad_norm = backend.clip_gradients(plan.grad_clip)
     if not torch.isfinite(grad_norm):
         backend.zero_grad()
