@@ -106,6 +106,14 @@ def compare(results: dict[str, Any], baseline: dict[str, Any], keys: list[str]) 
     return ratios
 
 
+def workload_differences(current: dict[str, Any], stored: Any) -> list[str]:
+    """The workload keys whose values differ between this run and a stored report (every key, when the
+    stored report has no workload)."""
+    if not isinstance(stored, dict):
+        return sorted(current)
+    return sorted(key for key in set(current) | set(stored) if current.get(key) != stored.get(key))
+
+
 def finish(name: str, out: Path, *, workload: dict[str, Any], results: dict[str, Any], targets: list[Target],
            headline: list[str], baseline: Path | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Check targets, compare with the baseline, print both, write the report; returns it."""
@@ -118,12 +126,22 @@ def finish(name: str, out: Path, *, workload: dict[str, Any], results: dict[str,
         for column in ("metric", "measured", "target", ""):
             table.add_column(column, justify="right")
         for key, t in checked.items():
-            verdict = "met" if t["met"] else f"MISSED ({t['off_by']:.2f}x of target)"
+            if t["met"]:
+                verdict = "met"
+            elif t["off_by"] is None:  # a bound of 0 (nothing lost): no factor to give
+                verdict = f"MISSED (by {t['measured'] - t['target']:+,.3f})"
+            else:
+                verdict = f"MISSED ({t['off_by']:.2f}x of target)"
             table.add_row(key, f"{t['measured']:,.3f}", f"{t['op']} {t['target']:,}", verdict)
         console.print(table)
     if baseline is not None and baseline.is_file():
-        ratios = compare(results, json.loads(baseline.read_text()), headline)
-        report["vs_baseline"] = {"file": str(baseline), "ratios": ratios}
+        stored = json.loads(baseline.read_text())
+        ratios = compare(results, stored, headline)
+        differs = workload_differences(workload, stored.get("workload"))
+        report["vs_baseline"] = {"file": str(baseline), "ratios": ratios, "workload_differs": differs}
+        if differs and ratios:  # said beside the ratios, not hidden: a user's --set is often the point
+            print(f"vs baseline {baseline.name}: its workload differs in {', '.join(differs)}; the ratios "
+                  "compare different workloads")
         for key, ratio in ratios.items():
             print(f"vs baseline {baseline.name}: {key} = {ratio:.2f}x")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,28 @@ def test_a_report_holds_results_targets_and_the_comparison(tmp_path):
     assert report["machine"]["cpus"] >= 1
 
 
+def test_a_missed_bound_of_zero_is_reported_not_a_crash(tmp_path, capsys):
+    """A bound of 0 has no factor to miss by: formatting None crashed the report writer exactly when
+    chaos or soak found a lost or duplicated group, and no report was written."""
+    out = tmp_path / "report.json"
+    finish("demo", out, workload={}, results={"groups_lost": 3}, targets=[Target("groups_lost", "<=", 0)],
+           headline=[])
+    assert json.loads(out.read_text())["targets"]["groups_lost"] == {
+        "target": 0, "op": "<=", "measured": 3, "met": False, "off_by": None}
+    assert "MISSED (by +3.000)" in capsys.readouterr().out
+
+
+def test_a_baseline_of_another_workload_is_named_beside_its_ratios(tmp_path, capsys):
+    base = tmp_path / "baseline.json"
+    base.write_text(json.dumps({"workload": {"producers": 16, "seed": 0}, "results": {"rate": 50.0}}))
+    out = tmp_path / "report.json"
+    finish("demo", out, workload={"producers": 4, "seed": 0}, results={"rate": 100.0}, targets=[],
+           headline=["rate"], baseline=base)
+    assert json.loads(out.read_text())["vs_baseline"] == {"file": str(base), "ratios": {"rate": 2.0},
+                                                          "workload_differs": ["producers"]}
+    assert "its workload differs in producers" in capsys.readouterr().out
+
+
 def test_counts_and_report_paths_are_refused_before_anything_is_measured(tmp_path, capsys):
     """Outside review: a count of 0 failed at the end on an empty list, and an --out that was a directory or a
     --baseline that was not JSON lost every result measured."""
