@@ -31,8 +31,10 @@ from harness.chaos.soak import QUICK as SOAK_QUICK
 from harness.chaos.soak import run_soak
 from streamrl.runtime.connect import start_local
 
-TARGETS = [Target("faults_injected", ">=", 10), Target("groups_lost", "<=", 0), Target("groups_duplicated", "<=", 0),
+TARGETS = [Target("faults_injected", ">=", 10), Target("segments_not_as_expected", "<=", 0),
+           Target("run_finished", ">=", 1), Target("groups_lost", "<=", 0), Target("groups_duplicated", "<=", 0),
            Target("bad_inputs_tried", ">=", 1000), Target("bad_inputs_accepted", "<=", 0),
+           Target("bad_inputs_wrong_error", "<=", 0), Target("bad_inputs_state_changed", "<=", 0),
            Target("soak.memory_bounded", ">=", 1), Target("soak.object_store_bounded", ">=", 1)]
 HEADLINE = ["soak.admit_ms.p99", "soak.commit_ms.p99", "soak.commits_per_s", "soak.queue_actor_peak_mb"]
 
@@ -95,20 +97,26 @@ def main() -> None:
     soak.pop("samples", None)  # the time series stays in benchmarks/results/soak.json
     results = {
         "faults_injected": faults["faults_injected"], "runs_completed": faults["runs_completed"],
-        "segments": len(faults["segments"]), "groups_lost": faults["groups_lost"],
+        "segments": len(faults["segments"]),
+        "segments_not_as_expected": len(faults["segments"]) - faults["runs_completed"],
+        "run_finished": int(faults["finished"]), "groups_lost": faults["groups_lost"],
         "groups_duplicated": faults["groups_duplicated"], "fault_audit": faults["audit"],
         "fault_segments": faults["segments"],
         "bad_inputs_tried": fuzz["tried"], "bad_inputs_accepted": fuzz["accepted"],
         "bad_inputs_wrong_error": fuzz["wrong_error"], "bad_inputs_state_changed": fuzz["state_changed"],
         "bad_inputs_by_kind": fuzz["by_kind"], "bad_inputs_accepted_examples": fuzz["accepted_examples"],
+        "bad_inputs_wrong_examples": fuzz["wrong_examples"],
         "soak": soak, "wall_s": time.perf_counter() - started,
     }
     print_summary(results)
     print(f"wall {results['wall_s']:.0f} s")
     workload = {"quick": args.quick, "bad_inputs": bad_inputs, "soak": soak_knobs, "seed": args.seed,
                 "fault_run": "2-layer model, 2-digit reversal, 2 producers, checkpoint every 2 steps"}
-    finish("chaos", out, workload=workload, results=results, targets=TARGETS, headline=HEADLINE,
-           baseline=args.baseline or BASELINES / f"baseline_{out.stem}.json")
+    report = finish("chaos", out, workload=workload, results=results, targets=TARGETS, headline=HEADLINE,
+                    baseline=args.baseline or BASELINES / f"baseline_{out.stem}.json")
+    missed = [key for key, target in report["targets"].items() if not target["met"]]
+    if missed:  # a campaign that found a defect does not end as if it had found none
+        raise SystemExit(f"chaos: {', '.join(missed)} missed (see the tables above; the report is {out})")
 
 
 if __name__ == "__main__":
