@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from harness.benchreport import positive_int
 from streamrl.buffer import QueueClosed, QueueConfig, ReplayQueue
 from streamrl.buffer.queue import assemble
 from streamrl.config import ModelSection, TaskSection, TrainerSection
@@ -46,14 +47,14 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=positive_int, default=30)
     parser.add_argument("--trainer", choices=["megatron", "torch"], default="megatron")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--groups-per-step", type=int, default=32)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--hidden", type=positive_int, default=512)
+    parser.add_argument("--layers", type=positive_int, default=8)
+    parser.add_argument("--groups-per-step", type=positive_int, default=32)
+    parser.add_argument("--group-size", type=positive_int, default=8)
+    parser.add_argument("--max-staleness", type=int, choices=range(0, 65), metavar="0..64", default=2)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -104,10 +105,13 @@ def main() -> None:
         steps, publish_s, rewards = [], [], []
         try:
             loop_started = time.perf_counter()
-            for _ in range(args.steps):
+            for step in range(args.steps):
                 got = queue.get(timeout=300)
-                if got is None or errors:
-                    break
+                if errors:
+                    break  # the producer's error is raised below
+                if got is None:  # a short run must not read as a complete one
+                    raise RuntimeError(f"no batch of {args.groups_per_step} groups within 300 s at step {step + 1} "
+                                       f"of {args.steps}: is the producer generating?")
                 metrics = trainer.train(assemble(got.groups))
                 queue.set_version(trainer.version)
                 t = time.perf_counter()
@@ -131,7 +135,7 @@ def main() -> None:
                                            "parameters": sum(p.numel() for p in policy.parameters())},
         "steps": len(steps), "loop_s": loop_s, "wall_s": time.perf_counter() - started,
         "generated_tokens_per_s": producer.stats.generated_tokens / loop_s,
-        "trained_tokens_per_s": sum(m["trained_tokens"] for m in steps) / loop_s,
+        "trained_tokens_per_s": sum(m["response_tokens"] for m in steps) / loop_s,  # the loss's: responses only
         "step_s": percentiles([m["train_s"] for m in steps]),
         "publish_s": percentiles(publish_s),
         "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
