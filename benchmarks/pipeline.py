@@ -174,7 +174,7 @@ def run_schedules(launcher: Launcher, engine: str, eta: int, window_s: float, st
                          "admission": "per_step" if name == "one_step" else "continuous",
                          **launcher.run(name, extra, warmup)}
     if engine == "sim":
-        results.update(sim_ideal(launcher, window_s))
+        results.update(sim_ideal(launcher, eta, window_s))
     else:  # the trainer and the engines, each at the rate it kept while it computed
         schedules = list(results.values())
         results["generation_alone"] = {"tokens_per_s": max(r["generation_compute_tokens_per_s"] for r in schedules)}
@@ -182,24 +182,32 @@ def run_schedules(launcher: Launcher, engine: str, eta: int, window_s: float, st
     return results
 
 
-def sim_ideal(launcher: Launcher, window_s: float) -> dict[str, Any]:
+def sim_ideal(launcher: Launcher, eta: int, window_s: float) -> dict[str, Any]:
     """Generation alone (a trainer that takes no time) and training alone (engines that take no time),
-    both with a budget that never binds. The trainer keeps its calibrated speed in the second."""
+    both with a budget that never binds. The trainer keeps its calibrated speed in the second. Each is
+    measured as the async run is (its warm-up and window): with half the window and fewer warm-up steps,
+    the ideal drew fewer response lengths, and async came out above its own ideal (1.03)."""
     work = launcher.config("probe", []).sim_workload()
-    unbounded = [f"queue.max_staleness={UNBOUNDED}", "queue.admission='continuous'", "run.steps=100000",
-                 f"run.time_limit_s={window_s / 2 + 8}"]
+    warmup, length = pacing("async", eta, window_s)
+    unbounded = [f"queue.max_staleness={UNBOUNDED}", "queue.admission='continuous'", *length]
     step_tokens = work.groups_per_step * work.group_size * (work.prompt_tokens + work.mean_length())
     instant_engines = ["sim.decode_base_s=0.0", "sim.decode_per_seq_s=0.0", "sim.prefill_per_token_s=0.0",
                        f"sim.train_s_per_token={work.calibrated_train_s_per_token()}",
                        f"queue.capacity_tokens={int(4 * step_tokens)}"]  # a few steps ahead, not the whole run
-    return {"generation_alone": launcher.run("generation_alone", [*unbounded, "sim.train_s_per_token=0.0"], 4),
-            "training_alone": launcher.run("training_alone", [*unbounded, *instant_engines], 4)}
+    return {"generation_alone": launcher.run("generation_alone", [*unbounded, "sim.train_s_per_token=0.0"], warmup),
+            "training_alone": launcher.run("training_alone", [*unbounded, *instant_engines], warmup)}
 
 
 def ratios(results: dict[str, Any]) -> dict[str, Any]:
     ideal = min(results["generation_alone"]["tokens_per_s"], results["training_alone"]["tokens_per_s"])
     async_rate = results["async"]["tokens_per_s"]
-    return {"ideal_tokens_per_s": ideal, "speedup_async_vs_sync": async_rate / results["sync"]["tokens_per_s"],
+    # In samples too: a run's tokens/s moves with the mean length of the responses it happened to draw
+    # (about ±2% over a window's ~2,300 samples), its samples/s does not.
+    ideal_samples = [results[name].get("samples_per_s") for name in ("generation_alone", "training_alone")]
+    samples = ({"efficiency_async_samples": results["async"]["samples_per_s"] / min(ideal_samples)}
+               if all(ideal_samples) else {})
+    return {**samples, "ideal_tokens_per_s": ideal,
+            "speedup_async_vs_sync": async_rate / results["sync"]["tokens_per_s"],
             "speedup_async_vs_one_step": async_rate / results["one_step"]["tokens_per_s"],
             "ideal_speedup_vs_sync": ideal / results["sync"]["tokens_per_s"],
             "ideal_speedup_vs_one_step": ideal / results["one_step"]["tokens_per_s"],
@@ -226,7 +234,9 @@ def print_schedules(results: dict[str, Any], console: Console, title: str) -> No
     console.print(f"async vs sync {results['speedup_async_vs_sync']:.2f}x (ideal "
                   f"{results['ideal_speedup_vs_sync']:.2f}x) · async vs one-step "
                   f"{results['speedup_async_vs_one_step']:.2f}x (ideal {results['ideal_speedup_vs_one_step']:.2f}x) · "
-                  f"async efficiency {results['efficiency_async']:.2f}")
+                  f"async efficiency {results['efficiency_async']:.2f}" + (
+                      f" (in samples/s {results['efficiency_async_samples']:.2f})"
+                      if "efficiency_async_samples" in results else ""))
 
 
 def sweep_runs(launcher: Launcher, etas: list[int], tails: list[float], producer_counts: list[int],

@@ -16,6 +16,7 @@ of the config says (producers, G, B), which the calibration needs.
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import numpy as np
@@ -74,12 +75,31 @@ class SimWorkload(SimSection):
     group_size: int = Field(4, ge=1)
     groups_per_step: int = Field(32, ge=1)
 
-    def generation_tokens_per_s(self) -> float:
-        """Model-time tokens/s of every engine kept full: decode steps plus each group's prefill."""
-        slots = self.sequences_per_producer
-        per_token = self.decode_step_s(slots) / slots
-        per_token += self.prompt_tokens * self.prefill_per_token_s / (self.group_size * self.mean_length())
-        return self.producers / per_token
+    def generation_tokens_per_s(self, groups: int = 4000, seed: int = 0) -> float:
+        """Model-time tokens/s of every engine driven as the producer drives `SimEngine`: a group joins
+        when G slots are free (its prompt prefilled once, charged to the next step), a sequence leaves when
+        it ends. Slots wait for a whole group's worth to free up, so an engine is not always full: taking it
+        as full overstated the rate by ~4% on the pinned workload. Measured over `groups` groups drawn from
+        the length distribution, up to the last one's admission (the steady state, not the drain)."""
+        rng = np.random.default_rng(seed)
+        slots, size = self.sequences_per_producer, self.group_size
+        lengths = iter(self.sample_lengths(rng, groups * size).tolist())
+        prefill = self.prompt_tokens * self.prefill_per_token_s
+        ends: list[int] = []  # the decode step each running sequence ends at
+        step, seconds, tokens, admitted = 0, 0.0, 0, 0
+        while True:
+            owed = 0.0
+            while slots - len(ends) >= size and admitted < groups:
+                for _ in range(size):
+                    heapq.heappush(ends, step + int(next(lengths)))
+                owed, admitted = owed + prefill, admitted + 1
+            if admitted == groups:
+                return self.producers * tokens / seconds
+            ahead = ends[0] - step  # decode steps until the next sequence ends: the batch is constant until then
+            seconds += owed + ahead * self.decode_step_s(len(ends))
+            tokens, step = tokens + ahead * len(ends), ends[0]
+            while ends and ends[0] <= step:
+                heapq.heappop(ends)
 
     def calibrated_train_s_per_token(self) -> float:
         if self.train_s_per_token is not None:
@@ -96,6 +116,7 @@ class SimWorkload(SimSection):
         prefill = self.prompt_tokens * self.prefill_per_token_s * per_engine / self.group_size
         sync = one_step = 0.0
         tokens = 0
+        train_s_per_token = self.calibrated_train_s_per_token()
         for _ in range(batches):
             generate, batch_tokens = 0.0, 0
             for _engine in range(self.producers):
@@ -103,7 +124,7 @@ class SimWorkload(SimSection):
                 batch_tokens += int(lengths.sum())
                 active = (lengths[None, :] >= np.arange(1, lengths.max() + 1)[:, None]).sum(axis=1)
                 generate = max(generate, prefill + float(np.sum(self.decode_step_s(active))))
-            train = batch_tokens * self.calibrated_train_s_per_token()
+            train = batch_tokens * train_s_per_token
             sync, one_step, tokens = sync + generate + train, one_step + max(generate, train), tokens + batch_tokens
-        streaming = min(self.generation_tokens_per_s(), 1.0 / self.calibrated_train_s_per_token())
+        streaming = min(self.generation_tokens_per_s(), 1.0 / train_s_per_token)
         return {"sync": tokens / sync, "one_step": tokens / one_step, "async": streaming}

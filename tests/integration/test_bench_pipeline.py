@@ -43,6 +43,9 @@ def test_the_pipeline_report_holds_every_schedule_its_run_and_ratio(tmp_path):
     assert results["efficiency_async"] == pytest.approx(
         results["async"]["tokens_per_s"] / min(results["generation_alone"]["tokens_per_s"],
                                                results["training_alone"]["tokens_per_s"]))
+    assert results["efficiency_async_samples"] == pytest.approx(
+        results["async"]["samples_per_s"] / min(results["generation_alone"]["samples_per_s"],
+                                                 results["training_alone"]["samples_per_s"]))
     model_rate = report["workload"]["model_schedule_tokens_per_s"]["async"] / 0.02  # model seconds to real ones
     assert results["efficiency_async_vs_model"] == pytest.approx(results["async"]["tokens_per_s"] / model_rate)
     lengths = results["async"]["response_length"]

@@ -44,6 +44,22 @@ def test_training_alone_is_calibrated_to_generation_alone():
     assert SimWorkload(train_s_per_token=0.5).calibrated_train_s_per_token() == 0.5
 
 
+def test_the_models_generation_rate_is_the_engines_as_the_producer_drives_it():
+    """SimEngine on a fake clock, a group added whenever G slots are free (the producer's rule): its rate
+    is the model's. The model took every engine as always full, 4% above what the engine can do, which
+    overstated the model's ceilings and made the calibrated trainer faster than generation."""
+    work = SimWorkload()
+    now = [0.0]
+    engine = SimEngine(work.model_copy(update={"time_scale": 1.0}), seed=1, clock=lambda: now[0],
+                       sleep=lambda seconds: now.__setitem__(0, now[0] + seconds))
+    for key in range(1500):
+        while engine.capacity - engine.active < work.group_size:
+            engine.step()
+        engine.add(key, [1] * work.prompt_tokens, work.group_size)
+    measured = work.producers * engine.generated_tokens / now[0]
+    assert measured == pytest.approx(work.generation_tokens_per_s(), rel=0.01)
+
+
 def test_engine_stamps_each_token_with_the_version_of_its_step_and_sleeps_the_model_time():
     slept = []
     engine = SimEngine(FAST.model_copy(update={"time_scale": 1.0}), seed=1, sleep=slept.append,
