@@ -16,7 +16,7 @@ measured staleness, effective sample size and the clipped, truncated and masked 
 time to a target reward (80% of the η = 0 runs' final reward), the data figures of the diagnosis
 (silent groups, baseline shift, groups regenerated and their length against the trained ones; with
 --diagnose the gradient alignment of stale and fresh data and KL of each update); reward against step
-and against wall-clock in a PNG. The JSON's `headline` holds the issue's three ratios and their targets.
+and against wall-clock in a PNG. The JSON's `results.headline` holds the issue's three ratios, `targets` their targets.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
-from harness.benchreport import BASELINES, check_report_paths, finish, positive_int
+from harness.benchreport import BASELINES, Target, check_report_paths, finish, positive_int
 from streamrl.config import ConfigError, load_config
 from streamrl.runtime.connect import start_local
 from streamrl.runtime.launch import launch, prepare
@@ -278,10 +278,12 @@ def headline(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
                    key=lambda c: corrected[c]["auto_final_over_eta0"])
         out.update(auto_correction=best, auto_final_over_eta0=corrected[best]["auto_final_over_eta0"],
                    auto_time_to_target_over_sync=corrected[best]["auto_time_to_target_over_sync"])
-    out["targets"] = {name: {"measured": out[name], "target": f"{op} {bound}",
-                             "met": out[name] >= bound if op == ">=" else out[name] <= bound}
-                      for name, op, bound in TARGETS if name in out}
     return out
+
+
+def headline_targets(figures: dict[str, Any]) -> list[Target]:
+    """The targets of the headline figures the sweep could compute (a sweep without η = 0 has none)."""
+    return [Target(f"headline.{name}", op, bound) for name, op, bound in TARGETS if name in figures]
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
@@ -417,13 +419,13 @@ def main() -> None:
     console.print(f"headline: {figures}")
     for name, check in checks.items():
         console.print(f"expectation {name}: {'held' if check['held'] else 'did not hold'} ({check})")
-    report = finish("staleness", out, workload={"task": args.config or "reverse (built-in)",
-                                                "producers": args.producers, "diagnose_every": args.diagnose,
-                                                "overrides": args.set, **grid},
-                    results=results, targets=[], headline=[],
-                    baseline=BASELINES / f"baseline_{out.stem}.json",
-                    extra={"expectations": checks, "headline": figures, "wall_s": time.time() - started})
-    plot(report["results"], out.with_suffix(".png"))
+    targets = headline_targets(figures)
+    finish("staleness", out, workload={"task": args.config or "reverse (built-in)", "producers": args.producers,
+                                       "diagnose_every": args.diagnose, "overrides": args.set, **grid},
+           results={**results, "headline": figures}, targets=targets, headline=[t.key for t in targets],
+           baseline=BASELINES / f"baseline_{out.stem}.json",
+           extra={"expectations": checks, "wall_s": time.time() - started})
+    plot(results, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.png')}")
 
 
