@@ -216,8 +216,9 @@ class ProducerSection(_Section):
     double_buffer: bool = True
     """Copy new weights into a second model in the background and swap at a decode step (no stall,
     twice the model memory); false: copy into the live model at the decode step."""
-    weight_poll_s: float = Field(1.0, gt=0, le=LONGEST_WAIT_S)
-    """Longest wait of one long poll for newer weights (a new version is seen as soon as it is published)."""
+    weight_poll_s: float = Field(1.0, gt=0, le=60)
+    """Longest wait of one long poll for newer weights (a new version is seen as soon as it is published;
+    a stopping producer waits for its poll to end)."""
     num_gpus: float = Field(0.0, ge=0)
     """Ray GPUs each producer reserves (its sglang servers run on them)."""
     max_restarts: int = Field(8, ge=0)

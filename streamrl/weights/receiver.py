@@ -19,6 +19,7 @@ version of the weights that computed its logits.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from streamrl.weights.arrays import load_state_arrays, resolve
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -73,8 +76,10 @@ class WeightReceiver:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()  # an offer waiting for a switch
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        if self._thread is not None:  # a long poll is not interrupted: it ends within its own wait
+            self._thread.join(timeout=self._poll_s + 10)
+            if self._thread.is_alive():  # its fetch outlived its own timeout: the weights actor is not answering
+                log.warning("the weight receiver's poll thread did not stop within %g s", self._poll_s + 10)
 
     def _poll(self) -> None:
         try:
@@ -126,6 +131,9 @@ class WeightReceiver:
                 if self._superseded(version):
                     return False
                 with self._standby_lock:  # the generating thread never swaps in a half-written standby
+                    # unlabelled while it is written: a copy that fails partway leaves no version to switch to
+                    # (it kept the previous label, which the next decode step could swap in, torn)
+                    self._standby_version = None
                     load_state_arrays(self._standby, arrays)
                     self._standby_version = version
             with self._cond:
@@ -161,16 +169,17 @@ class WeightReceiver:
         return model, self.version
 
     def _swap(self, live: torch.nn.Module | ArrayModel) -> torch.nn.Module | ArrayModel:
-        ready = self._standby_version
-        if ready is None or (self.version is not None and ready <= self.version):
-            return live
-        # An even newer version is being written into the standby: keep generating with the live model and
-        # switch at a later step — unless nothing is in use yet (the first version, overwritten by the next
-        # one while it was staged: a resumed trainer can publish again before a new producer has started).
+        # A version being written into the standby (unlabelled until it is whole): keep generating with the
+        # live model and switch at a later step — unless nothing is in use yet (the first version, overwritten
+        # by the next one while it was staged: a resumed trainer can publish again before a new producer has
+        # started), which waits for the write. An uncontended lock per decode step costs nanoseconds.
         if not self._standby_lock.acquire(blocking=self.version is None):
             return live
         try:
-            ready, fresh = self._standby_version, self._standby
+            ready = self._standby_version
+            if ready is None or (self.version is not None and ready <= self.version):
+                return live
+            fresh = self._standby
             self._standby = live  # the old weights become the buffer for the next version
             self._switched(ready)
         finally:

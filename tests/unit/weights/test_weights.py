@@ -225,6 +225,32 @@ def test_an_offer_that_cannot_be_staged_stops_the_producer_not_the_trainer(tiny_
     assert "does not match the model's" in str(raised.value.__cause__)
 
 
+def test_a_copy_into_the_standby_that_fails_partway_is_never_switched_to(monkeypatch):
+    """The standby kept the label of the version it held while the next was copied over it: a copy that
+    failed partway (out of memory) left a torn model the next decode step could swap in under that label."""
+    import streamrl.weights.receiver as receiver_module
+    from streamrl.weights.arrays import ArrayModel
+
+    def version(v):
+        return {"a": np.full(4, v, np.float32), "b": np.full(4, v, np.float32)}
+
+    receiver = WeightReceiver(lambda have, timeout: None, standby=ArrayModel(version(0)))
+    assert receiver.offer(1, version(1))
+    live, in_use = receiver.apply(ArrayModel(version(0)))
+    assert in_use == 1 and receiver.offer(2, version(2))  # staged in the standby, not switched to yet
+    whole_copy = receiver_module.load_state_arrays
+
+    def fails_after_a(model, arrays):
+        whole_copy(model, {"a": arrays["a"], "b": model.arrays["b"]})
+        raise MemoryError("out of memory copying b")
+
+    monkeypatch.setattr(receiver_module, "load_state_arrays", fails_after_a)
+    with pytest.raises(MemoryError):
+        receiver.offer(3, version(3))  # waits SWAP_WAIT_S for the switch to 2, then writes over it
+    model, in_use = receiver.apply(live)
+    assert model is live and in_use == 1  # neither the torn standby nor a version it no longer holds
+
+
 def test_the_first_version_is_waited_for_when_a_newer_one_is_being_written_over_it(tiny_model_dir, monkeypatch):
     """A resumed trainer can train from its restored queue and offer v + 1 while a new producer is still
     starting: the standby that held v is being overwritten when the producer first applies. Nothing is in
