@@ -68,6 +68,11 @@ def _check(arrays: Mapping[str, np.ndarray], state: Mapping[str, Any], tied: lis
     missing = [names[0] for names in tied if not any(name in arrays for name in names)]
     if missing:
         raise KeyError(f"published weights lack tensors of the model: {missing[:5]}")
+    doubled = [[name for name in names if name in arrays] for names in tied]
+    doubled = [names for names in doubled if len(names) > 1]
+    if doubled:  # an untied exporter: the tensor would hold whichever copy came last
+        raise ValueError(f"published weights hold one tied tensor of the model under several names {doubled[0]}: "
+                         "publish it once")
     for name, array in arrays.items():
         target = state[name]
         if tuple(target.shape) != array.shape:

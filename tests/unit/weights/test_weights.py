@@ -125,6 +125,11 @@ def test_state_arrays_hold_tied_weights_once_and_reject_mismatches(tiny_model_di
         load_state_arrays(model, bad)
     with pytest.raises(KeyError, match="not_a_weight"):
         load_state_arrays(model, {"not_a_weight": np.zeros(1, np.float32)})
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    twice = dict(arrays, **{"lm_head.weight": arrays["model.embed_tokens.weight"] + 1})  # an untied exporter's
+    with pytest.raises(ValueError, match=r"one tied tensor of the model under several names \['model.embed_tokens"):
+        load_state_arrays(model, twice)
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
 
 
 def test_a_model_with_several_empty_tensors_loads_its_own_published_weights():
