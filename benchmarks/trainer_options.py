@@ -1,6 +1,6 @@
 """What the trainer's options cost per step, measured side by side in one process.
 
-    python -m benchmarks.trainer_options --out benchmarks/results/trainer_options.json
+    streamrl bench trainer_options [--out benchmarks/results/trainer_options.json]
 
 The torch trainer on the default model (a 2-layer, hidden-64 Qwen2) and a default-sized batch (32
 groups of 8, prompts of 5 tokens, responses of 2–8), one trainer per variant, the variants' steps
@@ -17,7 +17,6 @@ and its ratio to the plain float32 step.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness.benchreport import check_report_paths, positive_int
+from harness.benchreport import check_report_paths, finish, positive_int
 from harness.synthetic import synthetic_batch
 from streamrl.buffer import QueueConfig, ReplayQueue
 from streamrl.config import ModelSection, TrainerSection
@@ -53,10 +52,9 @@ def batch(seed: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=positive_int, default=30)
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/trainer_options.json"))
     args = parser.parse_args()
-    if args.out is not None:
-        check_report_paths(parser, args.out)
+    check_report_paths(parser, args.out)
     quiet_transformers()
     torch.set_num_threads(1)  # as the trainer actor (trainer.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,8 +76,9 @@ def main() -> None:
     print(f"{'variant':<16}{'step (ms)':>12}{'× float32':>12}")
     for name, row in rows.items():
         print(f"{name:<16}{row['step_ms']:>12.1f}{row['ratio']:>12.2f}")
-    if args.out:
-        args.out.write_text(json.dumps({"steps": args.steps, "variants": rows}, indent=2) + "\n")
+    workload = {"steps": args.steps, "model": ModelSection().model_dump(), "groups_per_step": 32, "group_size": 8,
+                "prompt_tokens": 5, "response_tokens": [2, 8], "torch_threads": 1}
+    finish("trainer_options", args.out, workload=workload, results={"variants": rows}, targets=[], headline=[])
 
 
 if __name__ == "__main__":
