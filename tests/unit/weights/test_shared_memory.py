@@ -321,7 +321,10 @@ if kind == socket.SOCK_DGRAM:
     sender.sendmsg(message, fds, 0, name)
 else:
     sender.connect(name)
-    sender.sendmsg(message, fds)
+    try:
+        sender.sendmsg(message, fds)
+    except (BrokenPipeError, ConnectionResetError):  # refused at once, on the credentials of the connection
+        pass
 sender.close()
 """
 
