@@ -351,9 +351,10 @@ def main() -> None:
     finally:
         ray.shutdown()
     results["wall_s"] = time.time() - started
+    results["runs"] = str(root)  # where the run directories are (not the workload: it differs every time)
     base = launcher.config("probe", [])
     workload = {"engine": args.engine, "config": str(CONFIGS[args.engine].relative_to(LAUNCH.parent)),
-                "overrides": args.set, "async_eta": args.eta, "runs": str(root),
+                "overrides": args.set, "async_eta": args.eta,
                 "producers": base.producers.count, "group_size": base.queue.group_size,
                 "groups_per_step": base.queue.groups_per_step}
     if args.engine == "sim":
