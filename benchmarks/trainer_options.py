@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness.benchreport import check_report_paths, finish, positive_int
+from harness.benchreport import BASELINES, check_report_paths, finish, positive_int
 from harness.synthetic import synthetic_batch
 from streamrl.buffer import QueueConfig, ReplayQueue
 from streamrl.config import ModelSection, TrainerSection
@@ -78,7 +78,8 @@ def main() -> None:
         print(f"{name:<16}{row['step_ms']:>12.1f}{row['ratio']:>12.2f}")
     workload = {"steps": args.steps, "model": ModelSection().model_dump(), "groups_per_step": 32, "group_size": 8,
                 "prompt_tokens": 5, "response_tokens": [2, 8], "torch_threads": 1}
-    finish("trainer_options", args.out, workload=workload, results={"variants": rows}, targets=[], headline=[])
+    finish("trainer_options", args.out, workload=workload, results={"variants": rows}, targets=[],
+           headline=[f"variants.{name}.ratio" for name in rows], baseline=BASELINES / "baseline_trainer_options.json")
 
 
 if __name__ == "__main__":
