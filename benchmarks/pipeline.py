@@ -47,6 +47,7 @@ CONFIGS = {"sim": LAUNCH / "sim.toml", "torch": LAUNCH / "long-tail.toml"}
 BENCHMARK_SETS = {"run.name", "run.output_dir", "logging.progress", "run.eval_every", "run.checkpoint_every",
                   "queue.max_staleness", "queue.admission", "run.steps", "run.time_limit_s"}
 UNBOUNDED = 10**6  # a staleness budget that never binds: generation or training alone
+DEFAULT_WINDOW_S, DEFAULT_STEPS = 25.0, 40  # sim: measured seconds of async; torch: measured steps per schedule
 TARGETS = {"sim": [Target("speedup_async_vs_sync", ">=", 7.0), Target("speedup_async_vs_one_step", ">=", 6.0),
                    Target("efficiency_async", ">=", 0.95)],
            "torch": [Target("speedup_async_vs_sync", ">=", 2.5)]}
@@ -300,26 +301,43 @@ def plot(sweep_results: dict[str, Any], base: RunConfig, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def refuse_unused_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """An argument the chosen mode does not read is refused (it was ignored in silence), then the
+    defaults of those it reads are filled in."""
+    unused = [("--steps", args.steps is not None and args.engine == "sim", "--engine torch"),
+              ("--window-s", args.window_s is not None and args.engine == "torch", "--engine sim"),
+              ("--sweep", args.sweep and args.engine != "sim", "--engine sim"),
+              *((f"--sweep-{name}", getattr(args, f"sweep_{name}") is not None and not args.sweep, "--sweep")
+                for name in ("etas", "tails", "producers"))]
+    for flag, ignored, needs in unused:
+        if ignored:
+            parser.error(f"{flag} is read with {needs} only")
+    args.steps = DEFAULT_STEPS if args.steps is None else args.steps
+    args.window_s = DEFAULT_WINDOW_S if args.window_s is None else args.window_s
+    args.sweep_etas = args.sweep_etas or [1, 2, 4, 8]
+    args.sweep_tails = args.sweep_tails or [1, 8, 16]
+    args.sweep_producers = args.sweep_producers or [2, 4, 8]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=["sim", "torch"], default="sim")
     parser.add_argument("--eta", type=positive_int, default=8, help="the async schedule's staleness budget")
-    parser.add_argument("--window-s", type=positive_float, default=25.0,
-                        help="sim: measured seconds of the async schedule")
-    parser.add_argument("--steps", type=positive_int, default=40,
-                        help="torch: measured steps per schedule, after warm-up")
+    parser.add_argument("--window-s", type=positive_float, help="sim: measured seconds of the async schedule "
+                        f"(default {DEFAULT_WINDOW_S:g})")
+    parser.add_argument("--steps", type=positive_int, help="torch: measured steps per schedule, after warm-up "
+                        f"(default {DEFAULT_STEPS})")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="a `streamrl launch` config override (e.g. sim.p99_ratio=16, producers.count=3)")
     parser.add_argument("--sweep", action="store_true", help="sim: η × tail × producers sweep, with a PNG plot")
-    parser.add_argument("--sweep-etas", type=positive_int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--sweep-tails", type=positive_float, nargs="+", default=[1, 8, 16])
-    parser.add_argument("--sweep-producers", type=positive_int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--sweep-etas", type=positive_int, nargs="+")
+    parser.add_argument("--sweep-tails", type=positive_float, nargs="+")
+    parser.add_argument("--sweep-producers", type=positive_int, nargs="+")
     parser.add_argument("--runs", type=Path, help="where the runs' directories go (default: beside --out)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--baseline", type=Path, help="report to compare with (default: the stored baseline)")
     args = parser.parse_args()
-    if args.sweep and args.engine != "sim":
-        parser.error("--sweep runs the sim engine")
+    refuse_unused_arguments(parser, args)
     default = {"sim": "pipeline", "torch": "pipeline_torch"}[args.engine] + ("_sweep" if args.sweep else "")
     out = args.out or Path(f"benchmarks/results/{default}.json")
     check_report_paths(parser, out, args.baseline)
@@ -327,6 +345,8 @@ def main() -> None:
         key = item.partition("=")[0].strip()
         if key in BENCHMARK_SETS:  # applied first, the benchmark's own would silently replace it
             parser.error(f"--set {key}: the benchmark sets it for each run (--eta, --window-s, --steps, --runs)")
+        if key.startswith("ray."):
+            parser.error(f"--set {key}: the benchmark starts one local Ray instance for all its runs")
     root = (args.runs or out.parent / f"{out.stem}-runs").resolve() / time.strftime("%Y%m%d-%H%M%S")
     console = Console(width=160)  # the tables stay whole in logs and pipes
     launcher = Launcher(CONFIGS[args.engine], args.set, root, console)

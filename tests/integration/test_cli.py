@@ -41,6 +41,11 @@ def test_a_benchmark_runs_through_the_cli_from_the_checkout(tmp_path, monkeypatc
 @pytest.mark.parametrize("argv, message", [
     (["pipeline", "--eta", "0"], "argument --eta: 0 is not at least 1"),
     (["pipeline", "--set", "queue.max_staleness=3"], "--set queue.max_staleness: the benchmark sets it"),
+    (["pipeline", "--set", "ray.num_cpus=1"], "--set ray.num_cpus: the benchmark starts one local Ray instance"),
+    (["pipeline", "--steps", "10"], "--steps is read with --engine torch only"),
+    (["pipeline", "--engine", "torch", "--window-s", "10"], "--window-s is read with --engine sim only"),
+    (["pipeline", "--sweep-etas", "2"], "--sweep-etas is read with --sweep only"),
+    (["pipeline", "--engine", "torch", "--sweep"], "--sweep is read with --engine sim only"),
     (["staleness", "--etas", "0", "-1"], "'-1' is not a staleness budget"),
     (["staleness", "--quick", "--set", "trainer.lrr=1"], "staleness: invalid config: trainer.lrr"),
     (["buffer", "--repeats", "0"], "argument --repeats: 0 is not at least 1"),
