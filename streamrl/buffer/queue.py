@@ -61,8 +61,16 @@ class QueueClosed(RuntimeError):
 
 
 class TicketExpired(BatchError):
-    """A commit of a group whose ticket expired (`ticket_timeout_s`) or was given back when its producer
-    was declared dead: the queue has already sent its prompt back to be generated again."""
+    """A commit of groups whose tickets expired (`ticket_timeout_s`) or were given back when their producer
+    was declared dead: the queue has already sent their prompts back to be generated again. `expired`
+    names every such group of the batch, so that the others can be committed without them."""
+
+    def __init__(self, column: str | None, row: int | None, problem: str, expired: tuple[int, ...] = ()):
+        super().__init__(column, row, problem)
+        self.expired = tuple(expired)
+
+    def __reduce__(self):
+        return type(self), (self.column, self.row, self.problem, self.expired)
 
 
 class LeaseRevoked(RuntimeError):
@@ -326,10 +334,12 @@ class ReplayQueue:
             raise
 
     def _check_tickets(self, spans: list[GroupSpan]) -> None:
+        expired = []
         for span in spans:
             state = self._states[span.group_id] if 0 <= span.group_id < len(self._states) else UNKNOWN
             if state == ABANDONED:
-                raise TicketExpired("group_id", span.row_start, f"ticket {span.group_id} has expired (abandoned)")
+                expired.append(span)
+                continue
             if state != RUNNING:
                 problem = {UNKNOWN: "is unknown", REGENERATED: "has expired (regenerated)"}.get(
                     state, "was already committed")
@@ -343,6 +353,10 @@ class ReplayQueue:
                 raise BatchError("producer_id", span.row_start,
                                  f"group {span.group_id} comes from producer {span.producer_id}, "
                                  f"its ticket was given to {ticket.producer_id}")
+        if expired:
+            ids = [span.group_id for span in expired]
+            raise TicketExpired("group_id", expired[0].row_start, f"tickets {ids} have expired (abandoned)",
+                                expired=tuple(ids))
 
     def _enqueue(self, span: GroupSpan, payload: Any, now: float) -> None:
         ticket = self._running.pop(span.group_id)

@@ -35,6 +35,7 @@ from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from streamrl import failpoints
 from streamrl.buffer.queue import Admission, QueueClosed, Ticket, TicketExpired
@@ -64,18 +65,23 @@ class QueueClient(Protocol):
     def abandon(self, ticket_ids: list[int]) -> None: ...
 
 
-def commit_or_give_back(queue: QueueClient, batch: pa.RecordBatch, ticket_ids: list[int]) -> bool:
-    """Commit a batch of finished groups; True when it was queued. When the queue had already taken one
-    of them back (its ticket expired while it ran), the others go back too and False is returned: the
-    run goes on, the prompts are generated again. Any other failure gives them all back and propagates."""
+def commit_or_give_back(queue: QueueClient, batch: pa.RecordBatch, ticket_ids: list[int]) -> list[int]:
+    """Commit a batch of finished groups; returns the tickets queued. Groups whose tickets the queue had
+    already taken back (expired while they ran) are left out and the rest committed: the run goes on,
+    those prompts are generated again. Any other failure gives them all back and propagates."""
     try:
         queue.commit(batch)
-        return True
+        return list(ticket_ids)
     except TicketExpired as exc:
-        log.info("the queue had taken back a ticket of groups %s while they ran (%s): their prompts go back "
-                 "to be generated again", ticket_ids, exc)
+        expired = set(exc.expired)
+        keep = [t for t in ticket_ids if t not in expired]
+        log.info("the queue had taken back the tickets of groups %s while they ran: their prompts go back to be "
+                 "generated again%s", sorted(expired), f"; groups {keep} are committed without them" if keep else "")
+        if keep and expired:  # the finished siblings are not thrown away with them
+            rest = batch.filter(pc.invert(pc.is_in(batch.column("group_id"), pa.array(sorted(expired)))))
+            return commit_or_give_back(queue, rest, keep)
         queue.abandon(ticket_ids)
-        return False
+        return []
     except BaseException as exc:
         clean_up_after(exc, "giving the groups' tickets back", lambda: queue.abandon(ticket_ids))
         raise
@@ -363,10 +369,8 @@ class RolloutProducer:
             return
         committed = commit_or_give_back(self.queue, batch, ticket_ids)  # refused or failed: given back
         with self._cond:  # counted under the lock: the other commit thread counts too
-            if committed:
-                self.stats.groups += len(ticket_ids)
-            else:
-                self.stats.expired_groups += len(ticket_ids)
+            self.stats.groups += len(committed)
+            self.stats.expired_groups += len(ticket_ids) - len(committed)
         if committed:
             failpoints.hit("producer.after_commit")  # committed: its tickets are the queue's now
 

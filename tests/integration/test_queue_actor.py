@@ -125,8 +125,9 @@ def test_the_queues_errors_reach_a_remote_caller_as_themselves(ray_local):
         ray.get(queue.commit.remote(synthetic_batch(tickets[:1], 2, version=5)))
     assert refused.value.column == "versions" and refused.value.row == 0 and "outside [0, trainer version 0]" in str(refused.value)
     time.sleep(0.4)
-    with pytest.raises(TicketExpired, match="has expired"):
+    with pytest.raises(TicketExpired, match="have expired") as expired:
         ray.get(queue.commit.remote(synthetic_batch(tickets[:1], 2)))
+    assert expired.value.expired == (tickets[0].ticket_id,)  # which groups, across the process boundary
     ray.get(queue.abandon_producer.remote(0))
     with pytest.raises(LeaseRevoked, match="declared dead"):
         ray.get(queue.admit.remote(0, 1, None, 0.0, lease))

@@ -186,11 +186,29 @@ def test_a_commit_of_an_expired_ticket_says_so_and_its_producer_can_give_the_res
     (slow,) = queue.admit(0, 1).tickets
     time.sleep(0.3)
     (fresh,) = queue.admit(0, 1).tickets  # the slow ticket expired on the way
-    with pytest.raises(TicketExpired, match=f"ticket {slow.ticket_id} has expired"):
+    with pytest.raises(TicketExpired, match=rf"tickets \[{slow.ticket_id}\] have expired") as refused:
         queue.commit(synthetic_batch([slow, fresh], 1, rng=rng))
+    assert refused.value.expired == (slow.ticket_id,)
     assert fresh.prompt_id == slow.prompt_id  # the expired group's prompt was generated again first
     queue.abandon([slow.ticket_id, fresh.ticket_id])
     assert queue.returned_prompts() == [slow.prompt_id] and queue.status()["running"] == 0
+
+
+def test_a_producer_commits_the_groups_whose_tickets_did_not_expire(rng):
+    """One expired ticket sent its finished siblings back too: a batch's worth of generation lost."""
+    from streamrl.rollout import commit_or_give_back
+
+    queue = ReplayQueue(QueueConfig(group_size=2, groups_per_step=2, max_in_flight=8, ticket_timeout_s=0.2))
+    slow = queue.admit(0, 2).tickets
+    time.sleep(0.3)
+    fresh = queue.admit(0, 3).tickets  # the first two expired on the way, their prompts admitted again
+    tickets = [*slow, *fresh]
+    batch = synthetic_batch(tickets, 2, rng=rng)
+    assert commit_or_give_back(queue, batch, [t.ticket_id for t in tickets]) == [t.ticket_id for t in fresh]
+    status = queue.status()
+    assert status["committed"] == 3 and status["running"] == 0 and status["abandoned"] == 2
+    assert sorted(g.group_id for g in queue.queued_groups()) == [t.ticket_id for t in fresh]
+    assert commit_or_give_back(queue, synthetic_batch(slow, 2, rng=rng), [t.ticket_id for t in slow]) == []
 
 
 def test_ticket_timeout_expires_running_groups(rng):
